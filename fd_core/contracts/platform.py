@@ -1,0 +1,90 @@
+"""Contract of the Platform seam: device detection, memory profile and worker set-up.
+
+Call order at start-up: the registry loads every platform class (import only), the engine calls
+:meth:`Platform.detect` on each (or only on the one named by ``platform.name``), picks the
+available platform with the highest :attr:`Platform.priority`, instantiates it with its
+validated settings, then calls :meth:`Platform.worker_env`, :meth:`Platform.device_string`
+and :meth:`Platform.kv_cache_memory_bytes` before any model weights are loaded.
+
+Invariants:
+- :meth:`detect` never raises and never initialises a device context; it answers from
+  compile flags, libraries and environment only.
+- :meth:`kv_cache_memory_bytes` is a byte budget for K and V tensors only, after the
+  model weights and an activation reserve are taken out.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+
+@dataclass(frozen=True, slots=True)
+class DetectResult:
+    """What :meth:`Platform.detect` found."""
+
+    available: bool
+    reason: str  # why (not) available, shown by ``fd-serve plugins list`` and in errors
+    device_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProfile:
+    """Device memory in bytes, as read by :meth:`Platform.memory_profile`."""
+
+    total_bytes: int
+    free_bytes: int
+
+
+class Platform(ABC):
+    """A hardware target the model runner can execute on."""
+
+    #: Entry-point name (``platform.name`` in the config).
+    name: ClassVar[str]
+    #: Hookspec major version this plugin was written against.
+    fd_hookspec_version: ClassVar[int] = 1
+    #: Pydantic model of this plugin's ``[platform.options]``; ``None`` means no options.
+    settings_model: ClassVar[type[BaseModel] | None] = None
+    #: Higher wins when several platforms are available and ``platform.name = "auto"``.
+    priority: ClassVar[int] = 0
+    #: Declared optional abilities, e.g. ``{"bfloat16", "paged_attention"}``; checked at start-up.
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, settings: BaseModel | None = None) -> None:
+        self.settings = settings
+
+    @classmethod
+    @abstractmethod
+    def detect(cls) -> DetectResult:
+        """Report whether this platform can run here. Must never raise."""
+
+    @abstractmethod
+    def device_string(self, local_rank: int = 0) -> str:
+        """Paddle device string for a worker, e.g. ``"cpu"`` or ``"gpu:0"``."""
+
+    @abstractmethod
+    def supported_dtypes(self) -> tuple[str, ...]:
+        """Model dtypes this platform can run, most preferred first (e.g. ``("float32",)``)."""
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment variables a worker process needs before importing Paddle."""
+        return {}
+
+    @abstractmethod
+    def memory_profile(self) -> MemoryProfile:
+        """Total and free device memory in bytes."""
+
+    def kv_cache_memory_bytes(self, *, utilization: float, weights_bytes: int,
+                              activation_reserve_bytes: int) -> int:
+        """Bytes available for the KV cache given the share of memory the engine may use.
+
+        The default takes ``utilization`` of total memory, subtracts weights and the activation
+        reserve, and never promises more than is free now.
+        """
+        profile = self.memory_profile()
+        budget = int(profile.total_bytes * utilization) - weights_bytes - activation_reserve_bytes
+        return max(0, min(budget, profile.free_bytes - activation_reserve_bytes))

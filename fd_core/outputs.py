@@ -1,0 +1,105 @@
+"""Data that crosses the seams each step: the plan, the runner's result and request outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fd_core.request import FinishReason, Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One row of a step batch: compute ``num_new_tokens`` tokens of ``request``.
+
+    The tokens are ``request.token_slice(start, start + num_new_tokens)`` where
+    ``start = request.num_computed_tokens`` at planning time (kept in ``start`` because the
+    resource manager advances the request's counter as soon as it plans).
+    """
+
+    request: Request
+    start: int                 # position of the first new token (= computed tokens before)
+    num_new_tokens: int        # tokens to run this step (>= 1)
+    block_table: list[int]     # every KV block id of the request, in position order
+    sample: bool               # True when this chunk reaches the end of the known tokens
+
+    def __repr__(self) -> str:
+        return (f"ScheduledRequest(id={self.request.request_id!r}, start={self.start}, "
+                f"new={self.num_new_tokens}, blocks={len(self.block_table)}, sample={self.sample})")
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the resource manager decided for one engine step.
+
+    ``total_num_tokens`` equals ``sum(r.num_new_tokens for r in scheduled)`` and never exceeds
+    the token budget; ``len(scheduled)`` never exceeds ``max_num_seqs``.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)   # lost their blocks this step
+    total_num_tokens: int = 0
+
+    @classmethod
+    def make_empty(cls) -> StepPlan:
+        return cls()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """The token the runner sampled for one request, with optional log-probabilities."""
+
+    token_id: int
+    logprob: float | None = None                           # of the sampled token
+    top_logprobs: list[tuple[int, float]] | None = None    # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the model runner returns for a :class:`StepPlan`.
+
+    ``sampled`` has an entry for exactly the rows whose ``sample`` flag was set.
+    """
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)   # request id -> token
+
+    @classmethod
+    def make_empty(cls) -> StepResult:
+        return cls()
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Per-request timings in seconds (``None`` until known)."""
+
+    arrival_time: float
+    queue_time: float | None = None        # arrival -> first scheduled
+    ttft: float | None = None              # arrival -> first output token
+    tpot: float | None = None              # mean time per output token after the first
+    e2e: float | None = None               # arrival -> finished
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A delta for one request, as handed to ``Scheduler.put_results`` and to clients.
+
+    ``new_token_ids`` / ``new_text`` are what this step added; concatenating every delta's
+    ``new_text`` gives the final ``text`` exactly.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[SampledToken] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: RequestMetrics | None = None

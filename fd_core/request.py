@@ -1,0 +1,134 @@
+"""Requests as the engine sees them: sampling parameters, status and token bookkeeping.
+
+The one rule the whole engine follows (after vLLM v1): there are no prefill or decode phases.
+A request has ``num_tokens`` tokens (prompt + outputs so far) of which ``num_computed_tokens``
+already have K/V in the cache; each step the resource manager schedules some of the rest.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"        # queued, holds no KV blocks
+    RUNNING = "running"        # holds KV blocks, scheduled each step
+    PREEMPTED = "preempted"    # blocks taken back; waits to be recomputed
+    FINISHED = "finished"      # done (stop, length, abort or error); holds nothing
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request finished (OpenAI ``finish_reason`` values plus ours)."""
+
+    STOP = "stop"        # eos, stop token id or stop string
+    LENGTH = "length"    # max_tokens or max_model_len reached
+    ABORT = "abort"      # client went away or abort() was called
+    ERROR = "error"      # the engine could not serve it
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. Validated by :meth:`validate`."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0       # 0 means greedy
+    top_k: int = 0                 # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None    # top-n logprobs per sampled token; None: off
+    n: int = 1
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        checks = (
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be between 0 and max_tokens"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 or positive"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.n >= 1, "n", "must be >= 1"),
+        )
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"{name}: {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request and its running state.
+
+    ``output_token_ids`` grows by one per decode step; ``num_computed_tokens`` counts tokens
+    whose K/V are in the cache (reset to 0 on preemption, since we recompute).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0                      # lower runs first under a priority order hook
+    prompt: str | None = None              # the text, when the request came as text
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0             # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # Timestamps (time.time()) for per-request metrics; None until the event happens.
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens ``[start, stop)`` of prompt + outputs, without building the full list."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:  # keeps prompts out of logs
+        return (f"Request(id={self.request_id!r}, status={self.status.value}, "
+                f"prompt_len={self.num_prompt_tokens}, outputs={len(self.output_token_ids)}, "
+                f"computed={self.num_computed_tokens})")
