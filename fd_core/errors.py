@@ -33,6 +33,7 @@ class PluginError(FdError):
     def __init__(self, plugin: str, message: str) -> None:
         super().__init__(f"plugin {plugin}: {message}")
         self.plugin = plugin
+        self.reason = message
 
 
 class PluginLoadError(PluginError):

@@ -19,6 +19,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from fd_core.contracts._base import SeamPlugin
+
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
@@ -40,15 +42,9 @@ class MemoryProfile:
     free_bytes: int
 
 
-class Platform(ABC):
+class Platform(SeamPlugin, ABC):
     """A hardware target the model runner can execute on."""
 
-    #: Entry-point name (``platform.name`` in the config).
-    name: ClassVar[str]
-    #: Hookspec major version this plugin was written against.
-    fd_hookspec_version: ClassVar[int] = 1
-    #: Pydantic model of this plugin's ``[platform.options]``; ``None`` means no options.
-    settings_model: ClassVar[type[BaseModel] | None] = None
     #: Higher wins when several platforms are available and ``platform.name = "auto"``.
     priority: ClassVar[int] = 0
     #: Declared optional abilities, e.g. ``{"bfloat16", "paged_attention"}``; checked at start-up.

@@ -1,0 +1,23 @@
+"""What every seam plugin class declares: its name, hookspec version and settings model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+
+class SeamPlugin:
+    """Class attributes the registry and the config read before instantiating a plugin.
+
+    ``fd_hookspec_version`` is deliberately not given a default: each plugin states the
+    version it was written for, so that a core upgrade refuses stale plugins by name.
+    """
+
+    #: The entry-point name a config selects it by.
+    name: ClassVar[str]
+    #: Hookspec major version the plugin was written against (see fd_core.hookspecs).
+    fd_hookspec_version: ClassVar[int]
+    #: Pydantic model of the plugin's ``<seam>.options``; ``None``: it takes no options.
+    settings_model: ClassVar[type[BaseModel] | None] = None

@@ -1,0 +1,98 @@
+"""Contract of the ResourceManager seam: owns the KV blocks and plans each step's batch.
+
+Call order per step: the engine hands new requests to :meth:`ResourceManager.add_request`,
+calls :meth:`schedule` once, runs the plan, and the token processor then reports finished
+requests through :meth:`finish_requests`. :meth:`abort` may come between steps.
+
+Invariants every implementation keeps (checked by ``fd_core.testing.conformance``):
+- ``plan.total_num_tokens <= max_num_batched_tokens`` and ``len(plan.scheduled) <= max_num_seqs``.
+- ``schedule`` advances ``request.num_computed_tokens`` by the planned tokens at once, so
+  the next step's plan continues where this one ends.
+- A block is owned by its requests (reference counted when shared through prefix caching);
+  it is never freed twice, counts never go negative, and once every request has finished or
+  been aborted, :meth:`num_free_blocks` equals :attr:`num_blocks`.
+- A preempted request loses all its blocks, gets ``num_computed_tokens = 0`` and is
+  scheduled again later (recompute); its id appears in ``plan.preempted_ids``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fd_core.contracts._base import SeamPlugin
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from fd_core.outputs import StepPlan
+    from fd_core.request import FinishReason, Request
+
+
+@dataclass(frozen=True, slots=True)
+class KVLimits:
+    """The numbers a resource manager plans within."""
+
+    num_blocks: int               # KV blocks in the pool
+    block_size: int               # tokens per block
+    max_num_seqs: int             # most rows in a step
+    max_num_batched_tokens: int   # most tokens in a step
+    max_model_len: int            # most tokens (prompt + output) of one request
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+
+
+@dataclass(slots=True)
+class KVStats:
+    """Counters for /metrics and tests; all are totals since start unless noted."""
+
+    num_blocks: int
+    num_free_blocks: int          # now
+    num_running: int              # now
+    num_waiting: int              # now
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0     # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0        # prompt tokens found there
+
+
+class ResourceManager(SeamPlugin, ABC):
+    """Admits requests, allocates KV blocks and builds each step's plan."""
+
+    def __init__(self, settings: BaseModel | None, *, limits: KVLimits, hooks: Any) -> None:
+        """``hooks`` is the pluggy relay (``fd_select_preemption_victim``, ``fd_prefill_chunk_size``)."""
+        self.settings = settings
+        self.limits = limits
+        self.hooks = hooks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.limits.num_blocks
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Accept a validated request into the waiting queue."""
+
+    @abstractmethod
+    def schedule(self) -> StepPlan:
+        """Plan the next step: which requests compute which tokens with which blocks."""
+
+    @abstractmethod
+    def finish_requests(self, requests: list[Request], reason: FinishReason) -> None:
+        """Mark requests finished and free their blocks (they leave running or waiting)."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is, freeing its blocks at once; None if unknown."""
+
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks that a new allocation could take now (free or evictable cached blocks)."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+
+    @abstractmethod
+    def stats(self) -> KVStats:
+        """Current counters."""

@@ -1,0 +1,72 @@
+"""Contract of the request Scheduler seam: the queue between front ends and the engine loop.
+
+Two sides use it. The *origin* side (the offline LLM, the server's engine process) calls
+:meth:`Scheduler.put_request` and :meth:`Scheduler.get_results`; the *engine* side calls
+:meth:`Scheduler.get_requests` and :meth:`Scheduler.put_results` from the step loop. Both
+sides may run on different threads (or, for cluster schedulers, different hosts), so every
+method must be thread-safe.
+
+Invariants:
+- Every request put is eventually handed to ``get_requests`` exactly once, or answered with a
+  final (``finished=True``) output: expired (TTL) and aborted-while-queued requests get one.
+- ``get_results`` returns only outputs of requests this instance put (results are routed back
+  to their origin), each output once, in the order they were put per request.
+- ``get_requests(timeout=...)`` blocks at most ``timeout`` seconds when nothing is queued;
+  it must not spin. :meth:`wake` makes a blocked call return early.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from fd_core.contracts._base import SeamPlugin
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from fd_core.outputs import RequestOutput
+    from fd_core.request import Request
+
+
+class Scheduler(SeamPlugin, ABC):
+    """Queues requests for the engine and routes outputs back to their origin."""
+
+    def __init__(self, settings: BaseModel | None, *, hooks: Any, max_queue_size: int) -> None:
+        """``hooks`` is the pluggy relay (``fd_order_waiting``); ``max_queue_size`` bounds the queue."""
+        self.settings = settings
+        self.hooks = hooks
+        self.max_queue_size = max_queue_size
+
+    @abstractmethod
+    def put_request(self, request: Request) -> None:
+        """Queue a request (origin side). Raises QueueFullError when the queue is full."""
+
+    @abstractmethod
+    def get_requests(self, max_num: int, timeout: float | None) -> list[Request]:
+        """Hand up to ``max_num`` queued requests to the engine, in admission order.
+
+        Blocks up to ``timeout`` seconds (``None``: forever, 0: not at all) while none is queued.
+        """
+
+    @abstractmethod
+    def put_results(self, outputs: list[RequestOutput]) -> None:
+        """Deliver outputs of a step (engine side) to their origins."""
+
+    @abstractmethod
+    def get_results(self, timeout: float | None) -> list[RequestOutput]:
+        """Outputs for requests this instance put, oldest first; waits up to ``timeout`` for one."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Drop a still-queued request and answer it as aborted; False if it was not queued."""
+
+    @abstractmethod
+    def num_waiting(self) -> int:
+        """Requests queued and not yet handed to the engine."""
+
+    def wake(self) -> None:
+        """Make a blocked :meth:`get_requests` return now (e.g. an abort or shutdown arrived)."""
+
+    def close(self) -> None:
+        """Release connections and threads; called once at shutdown."""

@@ -1,0 +1,126 @@
+"""The pluggy hook specifications of fd-engine (project name ``"fd"``), versioned.
+
+Three families:
+
+* **Seam registration** — a general plugin (entry-point group ``fd.plugins``) may contribute
+  seam implementations without an entry point per class by returning classes from
+  ``fd_register_<seam>s``.
+* **Decisions** (``firstresult``) — where a user would otherwise subclass a built-in: the order
+  of waiting requests, the preemption victim, the prefill chunk size. Returning ``None``
+  defers to the next implementation and finally to the built-in default.
+* **Lifecycle** — notifications; return values are ignored. They run on the engine thread, so
+  keep them cheap.
+
+Every plugin declares ``fd_hookspec_version``; the registry refuses a plugin whose value is not
+:data:`FD_HOOKSPEC_VERSION`, naming the plugin.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final
+
+import pluggy
+
+if TYPE_CHECKING:
+    from fd_core.config import FdConfig
+    from fd_core.outputs import RequestOutput, StepPlan, StepResult
+    from fd_core.request import Request
+
+PROJECT_NAME: Final = "fd"
+#: Bumped when a hook or a seam contract changes incompatibly.
+FD_HOOKSPEC_VERSION: Final = 1
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# --- seam registration (added in version 1) ------------------------------------------------
+
+@hookspec
+def fd_register_schedulers() -> list[type]:
+    """Return Scheduler classes to register (each has a ``name``). Added in version 1."""
+
+
+@hookspec
+def fd_register_resource_managers() -> list[type]:
+    """Return ResourceManager classes to register. Added in version 1."""
+
+
+@hookspec
+def fd_register_token_processors() -> list[type]:
+    """Return TokenProcessor classes to register. Added in version 1."""
+
+
+@hookspec
+def fd_register_connectors() -> list[type]:
+    """Return Connector classes to register. Added in version 1."""
+
+
+@hookspec
+def fd_register_platforms() -> list[type]:
+    """Return Platform classes to register. Added in version 1."""
+
+
+# --- decisions (firstresult; added in version 1) --------------------------------------------
+
+@hookspec(firstresult=True)
+def fd_order_waiting(waiting: list[Request], now: float) -> list[Request] | None:
+    """Return the waiting requests in the order they should be admitted, or ``None`` for FIFO.
+
+    Called by the request scheduler whenever the engine asks for new requests. The result must
+    be a permutation of ``waiting``. Added in version 1.
+    """
+
+
+@hookspec(firstresult=True)
+def fd_select_preemption_victim(running: list[Request], needed_by: Request) -> Request | None:
+    """Pick the running request to preempt so that ``needed_by`` gets KV blocks, or ``None``.
+
+    ``running`` is in admission order and never empty; the default takes the last admitted.
+    The victim may be ``needed_by`` itself. Added in version 1.
+    """
+
+
+@hookspec(firstresult=True)
+def fd_prefill_chunk_size(request: Request, remaining_prompt: int, budget: int) -> int | None:
+    """Return how many prompt tokens of ``request`` to compute this step, or ``None``.
+
+    The engine clamps the answer to ``[1, min(remaining_prompt, budget)]``. Added in version 1.
+    """
+
+
+# --- lifecycle (added in version 1) ---------------------------------------------------------
+
+@hookspec
+def fd_engine_started(config: FdConfig) -> None:
+    """The engine finished start-up and is about to take requests. Added in version 1."""
+
+
+@hookspec
+def fd_engine_stopped() -> None:
+    """The engine loop ended. Added in version 1."""
+
+
+@hookspec
+def fd_request_added(request: Request) -> None:
+    """A request entered the engine (after validation). Added in version 1."""
+
+
+@hookspec
+def fd_request_finished(request: Request, output: RequestOutput) -> None:
+    """A request finished for any reason; ``output`` is its final delta. Added in version 1."""
+
+
+@hookspec
+def fd_step_finished(plan: StepPlan, result: StepResult, stats: dict[str, Any]) -> None:
+    """One engine step completed; ``stats`` holds the resource manager's counters. Added in v1."""
+
+
+#: Seam name -> registration hook name, used by the registry.
+SEAM_REGISTRATION_HOOKS: Final = {
+    "scheduler": "fd_register_schedulers",
+    "resource_manager": "fd_register_resource_managers",
+    "token_processor": "fd_register_token_processors",
+    "connector": "fd_register_connectors",
+    "platform": "fd_register_platforms",
+}

@@ -1,0 +1,320 @@
+"""Turn text into token ids and back, and render chat messages into a prompt, for one model.
+
+:class:`Tokenizer` wraps a ``tokenizers.Tokenizer`` built either from a Hugging Face
+``tokenizer.json`` (plus ``tokenizer_config.json`` for the chat template and special tokens) or
+from a GGUF file's ``tokenizer.*`` metadata (byte-level BPE only: ``tokenizer.ggml.model ==
+"gpt2"``). Chat templates are Jinja2, rendered in a sandbox with the globals Hugging Face
+templates expect (``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token``...).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from fd_core.errors import ModelLoadError, RequestError
+
+if TYPE_CHECKING:
+    import jinja2
+    import tokenizers
+
+#: GGUF ``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``).
+_TOKEN_TYPE_CONTROL: Final = 3
+_TOKEN_TYPE_USER_DEFINED: Final = 4
+
+#: Texts llama.cpp treats as end-of-generation when a GGUF marks them as control tokens.
+_EOG_TEXTS: Final = frozenset(
+    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|eom_id|>"}
+)
+
+_LLAMA3_SPLIT: Final = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT: Final = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+#: ``tokenizer.ggml.pre`` -> how llama.cpp splits text before BPE. "digits" is GPT-2's regex after
+#: isolating every digit (llama.cpp's SMOLLM/STARCODER group); "gpt2" is GPT-2's regex alone.
+_GGUF_PRE_TOKENIZERS: Final[Mapping[str, str]] = {
+    "default": "gpt2",
+    "gpt2": "gpt2",
+    "smollm": "digits",
+    "starcoder": "digits",
+    "refact": "digits",
+    "command-r": "digits",
+    "codeshell": "digits",
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+class Tokenizer:
+    """Encode/decode text and render chat templates for one model.
+
+    Build one with :meth:`from_folder` or :meth:`from_gguf_metadata`; the constructor takes an
+    already configured ``tokenizers.Tokenizer`` (its post-processor decides what
+    ``add_special_tokens=True`` adds, e.g. a BOS).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None,
+        eos_tokens: Sequence[str],
+        eos_token_ids: Iterable[int] = (),
+        chat_template: str | None,
+        source: str,
+    ) -> None:
+        self._backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_tokens[0] if eos_tokens else None
+        self.source = source  # path the tokenizer came from, for error messages
+        ids = [self._required_id(t) for t in eos_tokens] + list(eos_token_ids)
+        #: Ids that end generation, in first-seen order, without duplicates.
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
+        self.bos_token_id: int | None = self._required_id(bos_token) if bos_token else None
+        self.chat_template = chat_template
+        self._compiled: jinja2.Template | None = None
+        if chat_template is not None:
+            self._compiled = _compile_template(chat_template, source)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_folder(cls, folder: str | Path, *, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """Load ``tokenizer.json`` and, when present, ``tokenizer_config.json`` and a chat template.
+
+        ``extra_eos_token_ids`` (e.g. from ``generation_config.json``) are added to the
+        tokenizer's own EOS token.
+        """
+        from tokenizers import Tokenizer as Backend
+
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"no tokenizer.json in {folder}")
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise ModelLoadError(f"cannot read {path}: {e}") from e
+        config = _read_json(folder / "tokenizer_config.json") or {}
+        eos = _token_text(config.get("eos_token"))
+        return cls(
+            backend,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_tokens=[eos] if eos else [],
+            eos_token_ids=extra_eos_token_ids,
+            chat_template=_folder_chat_template(folder, config),
+            source=str(folder),
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, source: str) -> Tokenizer:
+        """Build a byte-level BPE tokenizer from a GGUF file's ``tokenizer.*`` metadata values."""
+        from tokenizers import AddedToken, decoders, models, processors
+        from tokenizers import Tokenizer as Backend
+
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(
+                f"{source}: tokenizer.ggml.model={kind!r} is not supported; only byte-level BPE "
+                "('gpt2') GGUF tokenizers can be built"
+            )
+        tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+        types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        backend.pre_tokenizer = _gguf_pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"), source)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _TOKEN_TYPE_CONTROL]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(t, special=False, normalized=False)
+                for t, k in zip(tokens, types)
+                if k == _TOKEN_TYPE_USER_DEFINED
+            ]
+        )
+        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+        bos = tokens[bos_id] if bos_id is not None else None
+        if metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+            )
+        eos_ids = gguf_eos_token_ids(metadata)
+        return cls(
+            backend,
+            bos_token=bos,
+            eos_tokens=[tokens[i] for i in eos_ids[:1]],
+            eos_token_ids=eos_ids,
+            chat_template=metadata.get("tokenizer.chat_template"),
+            source=source,
+        )
+
+    # -- ids and text -----------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) stay whole.
+
+        ``add_special_tokens`` adds what the tokenizer's post-processor adds (e.g. a BOS).
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens are dropped unless ``skip_special_tokens`` is False."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
+        """Vocabulary entries of ``ids`` as stored (byte-level spelling, e.g. ``"Ġthe"``)."""
+        if isinstance(ids, int):
+            return self._token(ids)
+        return [self._token(i) for i in ids]
+
+    def _token(self, token_id: int) -> str:
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            raise RequestError("token_id", f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+        return token
+
+    def _required_id(self, token: str) -> int:
+        token_id = self._backend.token_to_id(token)
+        if token_id is None:
+            raise ModelLoadError(f"{self.source}: special token {token!r} is not in the vocabulary")
+        return token_id
+
+    # -- chat -------------------------------------------------------------------------------
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
+        """Render ``messages`` with the model's chat template into a prompt string.
+
+        ``template_kwargs`` (e.g. ``tools``) are passed to the template as variables. Raises
+        :class:`RequestError` (field ``messages``) when the model has no chat template or the
+        template rejects the conversation via ``raise_exception``.
+        """
+        import jinja2
+
+        if self._compiled is None:
+            raise RequestError(
+                "messages",
+                f"the model at {self.source} has no chat template (no chat_template in "
+                "tokenizer_config.json / chat_template.jinja, or tokenizer.chat_template in the "
+                "GGUF); send a plain prompt to /v1/completions instead",
+            )
+        try:
+            return self._compiled.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise RequestError("messages", f"chat template rejected the messages: {e}") from e
+
+
+def gguf_eos_token_ids(metadata: Mapping[str, Any]) -> tuple[int, ...]:
+    """End-of-generation ids of a GGUF model, the way llama.cpp finds them.
+
+    The explicit ``eos``/``eot``/``eom`` ids first, then every control token whose text is a
+    well-known end marker (``<|im_end|>``, ``<|endoftext|>``, ``<|eot_id|>``...).
+    """
+    ids = [
+        metadata[key]
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if metadata.get(key) is not None
+    ]
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    types = metadata.get("tokenizer.ggml.token_type") or []
+    ids += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == _TOKEN_TYPE_CONTROL and t in _EOG_TEXTS]
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _gguf_pre_tokenizer(pre: str, source: str) -> tokenizers.pre_tokenizers.PreTokenizer:
+    from tokenizers import Regex, pre_tokenizers
+
+    split = _GGUF_PRE_TOKENIZERS.get(pre)
+    if split is None:
+        raise ModelLoadError(
+            f"{source}: tokenizer.ggml.pre={pre!r} is not supported; supported: {sorted(_GGUF_PRE_TOKENIZERS)}"
+        )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in ("gpt2", "digits"))
+    if split == "gpt2":
+        return byte_level
+    if split == "digits":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+
+
+def _compile_template(template: str, source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox with Hugging Face's template globals."""
+    from datetime import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelLoadError(f"{source}: chat template does not compile: {e}") from e
+
+
+def _folder_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+    """The default chat template of a Hugging Face folder, wherever this version of HF put it."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None:
+        template = (_read_json(folder / "chat_template.json") or {}).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    return template
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+
+
+def _token_text(token: str | Mapping[str, Any] | None) -> str | None:
+    """``"<s>"`` or ``{"content": "<s>", ...}`` (tokenizer_config.json spells it both ways)."""
+    if isinstance(token, Mapping):
+        return token.get("content")
+    return token

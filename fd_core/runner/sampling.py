@@ -1,0 +1,245 @@
+"""Batched next-token sampling: one row of logits per request in, one SampledToken per row out.
+
+Per row, in this order (the order of Hugging Face's logits processors):
+
+1. **Penalties** on the raw logits. Repetition penalty (HF semantics) over prompt + output
+   tokens: positive logits are divided by it, negative ones multiplied. Then presence and
+   frequency penalties (OpenAI semantics) over output tokens only:
+   ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+2. **min_tokens**: while fewer than ``min_tokens`` tokens were generated, the stop token ids
+   and (unless ``ignore_eos``) the eos ids are masked, so the request cannot stop early.
+3. **Greedy** rows (``temperature == 0``) take the argmax here; filters never drop the argmax.
+4. **Temperature** divides the logits, then **top-k**, **top-p** and **min-p** mask tokens
+   (see :func:`apply_filters` for the exact kept sets).
+5. **Sampling** by inverse CDF with one uniform draw per row, from the request's own
+   ``numpy.random.Generator`` when it has a ``seed`` (so a seeded request yields the same
+   tokens alone or batched) and from the sampler's shared generator otherwise.
+
+**Logprobs** are those of the raw model distribution: ``log_softmax`` of the logits as the
+model produced them, before penalties, temperature and filters. This is vLLM's default
+(``logprobs_mode="raw_logprobs"``) and what OpenAI clients read as "how likely the model
+found this token": the sampled token's logprob plus the top-n alternatives, best first.
+
+The work runs in numpy on a zero-copy host view of the logits: on the CPU build Paddle's
+``sort`` on [64, 49152] took ~200 ms against numpy's ~10 ms, and ``topk`` ~22 ms against
+``np.partition`` ~7 ms. Logits on a device cost one device-to-host copy (B x V x 4 bytes);
+the all-greedy fast path stays on the device and copies back only B token ids.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+import numpy as np
+
+from fd_core.outputs import SampledToken
+
+if TYPE_CHECKING:
+    import paddle
+
+    from fd_core.request import Request, SamplingParams
+
+_NEG_INF: Final = np.float32(-np.inf)
+
+
+def _top_k_of(params: SamplingParams, vocab_size: int) -> int:
+    """The effective top-k of a row; 0 means off (``top_k`` of 0, -1 or >= vocab)."""
+    k = params.top_k
+    return k if 0 < k < vocab_size else 0
+
+
+def _sorted_desc(rows: np.ndarray, width: int) -> np.ndarray:
+    """The ``width`` largest values of each row, in descending order."""
+    vocab_size = rows.shape[-1]
+    if width < vocab_size:
+        rows = np.partition(rows, vocab_size - width, axis=-1)[:, vocab_size - width:]
+    return np.sort(rows, axis=-1)[:, ::-1]
+
+
+def filter_thresholds(logits: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
+    """Per-row logit threshold (float32 [B]): a token is kept iff its logit >= the threshold.
+
+    ``logits`` are already temperature-scaled. The kept set is the intersection of:
+    - top-k: logits >= the k-th largest logit (ties at the boundary are kept);
+    - top-p: logits >= the logit of the last token of the shortest prefix of the
+      probability-sorted top-k set whose mass (renormalised over that set) reaches ``top_p``;
+    - min-p: ``logit >= max_logit + log(min_p)``, i.e. ``p >= min_p * p_max``.
+    Rows with no filter get ``-inf``.
+    """
+    batch, vocab_size = logits.shape
+    thresholds = np.full(batch, _NEG_INF, dtype=np.float32)
+    top_ks = np.array([_top_k_of(p, vocab_size) for p in params], dtype=np.int64)
+    top_ps = np.array([p.top_p for p in params], dtype=np.float64)
+    min_ps = np.array([p.min_p for p in params], dtype=np.float64)
+
+    sort_rows = np.flatnonzero((top_ks > 0) | (top_ps < 1.0))
+    if sort_rows.size:
+        # Only the top-k set matters to top-p, so a partial sort of width max(k) suffices
+        # unless some row has top-p without top-k.
+        ks = top_ks[sort_rows]
+        width = vocab_size if (ks == 0).any() else int(ks.max())
+        srt = _sorted_desc(logits[sort_rows], width)
+        kk = np.where(ks > 0, ks, width)                 # size of each row's top-k set
+        row_thr = srt[np.arange(sort_rows.size), kk - 1]
+        p_local = np.flatnonzero(top_ps[sort_rows] < 1.0)
+        if p_local.size:
+            # float64: near the top-p boundary consecutive masses differ by ~1/V, which a
+            # float32 running sum over the vocabulary cannot resolve.
+            vals = srt[p_local].astype(np.float64)
+            in_k = np.arange(width)[None, :] < kk[p_local, None]
+            probs = np.where(in_k, np.exp(vals - vals[:, :1]), 0.0)
+            probs /= probs.sum(axis=-1, keepdims=True)
+            mass_before = np.cumsum(probs, axis=-1) - probs
+            # The kept prefix: positions whose preceding mass is still short of top_p.
+            n_keep = ((mass_before < top_ps[sort_rows[p_local], None]) & in_k).sum(axis=-1)
+            p_thr = srt[p_local, n_keep - 1]          # n_keep >= 1: mass_before[0] == 0
+            row_thr[p_local] = np.maximum(row_thr[p_local], p_thr)
+        thresholds[sort_rows] = row_thr
+
+    min_p_rows = np.flatnonzero(min_ps > 0.0)
+    if min_p_rows.size:
+        m_thr = logits[min_p_rows].max(axis=-1) + np.log(min_ps[min_p_rows]).astype(np.float32)
+        thresholds[min_p_rows] = np.maximum(thresholds[min_p_rows], m_thr)
+    return thresholds
+
+
+def apply_filters(logits: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
+    """Return a copy of temperature-scaled ``logits`` [B, V] with filtered tokens at ``-inf``.
+
+    Kept sets are defined by :func:`filter_thresholds`; the argmax is always kept.
+    """
+    thresholds = filter_thresholds(logits, params)
+    return np.where(logits >= thresholds[:, None], logits, _NEG_INF)
+
+
+def apply_penalties(logits: np.ndarray, requests: list[Request]) -> None:
+    """Apply repetition, presence and frequency penalties to ``logits`` [B, V] in place."""
+    for row, request in enumerate(requests):
+        sp = request.sampling_params
+        if not _has_penalty(sp):
+            continue
+        out_ids, out_counts = np.unique(np.asarray(request.output_token_ids, dtype=np.int64),
+                                        return_counts=True)
+        if sp.repetition_penalty != 1.0:
+            seen = np.union1d(np.asarray(request.prompt_token_ids, dtype=np.int64), out_ids)
+            vals = logits[row, seen]
+            logits[row, seen] = np.where(vals > 0, vals / sp.repetition_penalty,
+                                         vals * sp.repetition_penalty)
+        if out_ids.size and (sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0):
+            logits[row, out_ids] -= (sp.frequency_penalty * out_counts
+                                     + sp.presence_penalty).astype(np.float32)
+
+
+def _has_penalty(sp: SamplingParams) -> bool:
+    return (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
+            or sp.frequency_penalty != 0.0)
+
+
+def _blocked_stop_ids(request: Request) -> list[int]:
+    """Token ids masked because ``min_tokens`` is not reached yet (empty when it is)."""
+    sp = request.sampling_params
+    if len(request.output_token_ids) >= sp.min_tokens:
+        return []
+    eos = [] if sp.ignore_eos else list(request.eos_token_ids)
+    return eos + list(sp.stop_token_ids)
+
+
+class Sampler:
+    """Samples one token per request from a batch of logits; holds per-request generators.
+
+    Call :meth:`forget` when a request finishes or is aborted, so its generator is dropped.
+    """
+
+    def __init__(self, *, seed: int | None = None) -> None:
+        #: Shared generator for requests without a seed.
+        self._rng = np.random.default_rng(seed)
+        #: request id -> generator of a seeded request, created on its first sampled token.
+        self._request_rngs: dict[str, np.random.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Drop the state kept for ``request_id`` (no-op if there is none)."""
+        self._request_rngs.pop(request_id, None)
+
+    def sample(self, logits: paddle.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """Pick the next token for each request; row ``i`` of ``logits`` [B, V] is ``requests[i]``."""
+        assert logits.shape[0] == len(requests), (logits.shape, len(requests))
+        blocked = [_blocked_stop_ids(r) for r in requests]
+        params = [r.sampling_params for r in requests]
+        if all(sp.greedy and sp.logprobs is None and not _has_penalty(sp) for sp in params) \
+                and not any(blocked):
+            # Fast path: argmax on the logits' own device; only B ids cross to the host.
+            import paddle
+
+            ids = paddle.argmax(logits, axis=-1).numpy()
+            return [SampledToken(int(t)) for t in ids]
+
+        raw = np.from_dlpack(logits.cpu())     # zero-copy on CPU; read only
+        x = raw.copy()
+        if any(_has_penalty(sp) for sp in params):
+            apply_penalties(x, requests)
+        for row, ids in enumerate(blocked):
+            if ids:
+                x[row, ids] = _NEG_INF
+
+        tokens = np.empty(len(requests), dtype=np.int64)
+        greedy = np.array([sp.greedy for sp in params])
+        if greedy.any():
+            tokens[greedy] = x[greedy].argmax(axis=-1)
+        sampled_rows = np.flatnonzero(~greedy)
+        if sampled_rows.size:
+            tokens[sampled_rows] = self._sample_rows(x[sampled_rows],
+                                                     [requests[i] for i in sampled_rows])
+        return self._with_logprobs(raw, tokens, params)
+
+    def _sample_rows(self, x: np.ndarray, requests: list[Request]) -> np.ndarray:
+        """Temperature, filters and one inverse-CDF draw per row of ``x`` (modified in place)."""
+        params = [r.sampling_params for r in requests]
+        x /= np.array([sp.temperature for sp in params], dtype=np.float32)[:, None]
+        keep = x >= filter_thresholds(x, params)[:, None]
+        x -= x.max(axis=-1, keepdims=True)     # the max is always kept, so mass > 0
+        probs = np.exp(x, out=x)
+        probs[~keep] = 0.0
+        cdf = np.cumsum(probs, axis=-1)
+        draws = np.array([self._generator(r).random() for r in requests])
+        targets = (draws * cdf[:, -1]).astype(np.float32)
+        # First position whose cdf exceeds the target: it always has probability > 0.
+        tokens = (cdf <= targets[:, None]).sum(axis=-1)
+        # Rounding can put the target at the total; fall back to the last kept token.
+        for row in np.flatnonzero(tokens >= cdf.shape[-1]):
+            tokens[row] = np.flatnonzero(keep[row])[-1]
+        return tokens
+
+    def _generator(self, request: Request) -> np.random.Generator:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self._rng
+        rng = self._request_rngs.get(request.request_id)
+        if rng is None:
+            rng = self._request_rngs[request.request_id] = np.random.default_rng(seed)
+        return rng
+
+    @staticmethod
+    def _with_logprobs(raw: np.ndarray, tokens: np.ndarray,
+                       params: list[SamplingParams]) -> list[SampledToken]:
+        """Wrap ``tokens`` in SampledTokens, adding raw-distribution logprobs where asked."""
+        out = [SampledToken(int(t)) for t in tokens]
+        rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+        if not rows:
+            return out
+        sub = raw[rows]
+        m = sub.max(axis=-1, keepdims=True)
+        lse = (m + np.log(np.exp(sub - m).sum(axis=-1, keepdims=True)))[:, 0]
+        n_max = max(params[i].logprobs or 0 for i in rows)
+        if n_max:
+            vocab_size = raw.shape[-1]
+            top_ids = np.argpartition(sub, vocab_size - n_max, axis=-1)[:, vocab_size - n_max:]
+            top_vals = np.take_along_axis(sub, top_ids, axis=-1)
+            order = np.argsort(-top_vals, axis=-1, kind="stable")
+            top_ids = np.take_along_axis(top_ids, order, axis=-1)
+            top_lp = np.take_along_axis(top_vals, order, axis=-1) - lse[:, None]
+        for j, i in enumerate(rows):
+            n = params[i].logprobs or 0
+            out[i].logprob = float(sub[j, tokens[i]] - lse[j])
+            out[i].top_logprobs = ([(int(t), float(v)) for t, v in
+                                    zip(top_ids[j, :n], top_lp[j, :n])] if n else [])
+        return out
