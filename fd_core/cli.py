@@ -85,6 +85,7 @@ def _check(config: FdConfig) -> int:
 def _plugins_list(config: FdConfig) -> int:
     from fd_core.registry import Registry
 
+    logging.getLogger("fd_core.registry").setLevel(logging.ERROR)  # the table shows failures
     registry = Registry.discover(disabled=config.plugins.disabled)
     failures = registry.load_all()
     print(format_plugin_table(registry))
@@ -111,3 +112,7 @@ def _serve(config: FdConfig) -> int:
     from fd_core.server.main import serve
 
     return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

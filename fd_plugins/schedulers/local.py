@@ -1,0 +1,134 @@
+"""The ``local`` request scheduler: an in-process, bounded, thread-safe queue with TTL and abort.
+
+Admission order is FIFO unless a plugin implements ``fd_order_waiting``. Requests older than
+``ttl_s`` when the engine asks for work are answered with an error output instead of run.
+Results are kept per origin in arrival order; every origin here is this process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fd_core.contracts.scheduler import Scheduler
+from fd_core.errors import QueueFullError
+from fd_core.outputs import RequestOutput
+from fd_core.request import FinishReason, RequestStatus
+
+if TYPE_CHECKING:
+    from fd_core.request import Request
+
+
+class LocalSchedulerSettings(BaseModel):
+    """``[scheduler.options]`` of the local scheduler."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttl_s: float = Field(600.0, gt=0, description="Queued requests older than this expire.")
+
+
+class LocalScheduler(Scheduler):
+    """In-process FIFO queue (order hookable) with a size limit and TTL."""
+
+    name: ClassVar[str] = "local"
+    fd_hookspec_version: ClassVar[int] = 1
+    settings_model: ClassVar[type[BaseModel]] = LocalSchedulerSettings
+
+    def __init__(self, settings: LocalSchedulerSettings | None, *, hooks: Any, max_queue_size: int) -> None:
+        super().__init__(settings or LocalSchedulerSettings(), hooks=hooks, max_queue_size=max_queue_size)
+        self._waiting: list[Request] = []            # arrival order; reordered by the hook on read
+        self._results: deque[RequestOutput] = deque()
+        self._lock = threading.Lock()
+        self._has_requests = threading.Condition(self._lock)
+        self._has_results = threading.Condition(self._lock)
+        self._woken = False
+
+    def put_request(self, request: Request) -> None:
+        with self._lock:
+            if len(self._waiting) >= self.max_queue_size:
+                raise QueueFullError(
+                    f"request queue is full ({self.max_queue_size} waiting; raise server.max_queue_size or retry)")
+            self._waiting.append(request)
+            self._has_requests.notify()
+
+    def get_requests(self, max_num: int, timeout: float | None) -> list[Request]:
+        with self._lock:
+            if not self._waiting and timeout != 0 and not self._woken:
+                self._has_requests.wait(timeout)
+            self._woken = False
+            self._expire(time.time())
+            if not self._waiting or max_num <= 0:
+                return []
+            self._waiting = self.admission_order(list(self._waiting), time.time())
+            taken, self._waiting = self._waiting[:max_num], self._waiting[max_num:]
+            return taken
+
+    def put_results(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        with self._lock:
+            self._results.extend(outputs)
+            self._has_results.notify_all()
+
+    def get_results(self, timeout: float | None) -> list[RequestOutput]:
+        with self._lock:
+            if not self._results and timeout != 0:
+                self._has_results.wait(timeout)
+            taken = list(self._results)
+            self._results.clear()
+            return taken
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            for index, request in enumerate(self._waiting):
+                if request.request_id == request_id:
+                    del self._waiting[index]
+                    self._answer(request, FinishReason.ABORT, None)
+                    return True
+            return False
+
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def wake(self) -> None:
+        with self._lock:
+            self._woken = True
+            self._has_requests.notify_all()
+            self._has_results.notify_all()
+
+    def admission_order(self, waiting: list[Request], now: float) -> list[Request]:
+        """Order of admission: the ``fd_order_waiting`` hook's answer, else FIFO.
+
+        Subclasses may override it; it runs with the queue lock held and must return a
+        permutation of ``waiting``.
+        """
+        ordered = self.hooks.fd_order_waiting(waiting=waiting, now=now)
+        if ordered is None:
+            return waiting
+        if sorted(map(id, ordered)) != sorted(map(id, waiting)):
+            raise ValueError("fd_order_waiting must return a permutation of the waiting requests")
+        return list(ordered)
+
+    def _expire(self, now: float) -> None:
+        """Answer queued requests older than the TTL (lock held)."""
+        ttl = self.settings.ttl_s
+        kept = []
+        for request in self._waiting:
+            if now - request.arrival_time > ttl:
+                self._answer(request, FinishReason.ERROR, f"request expired after waiting {ttl:g} s in the queue")
+            else:
+                kept.append(request)
+        self._waiting = kept
+
+    def _answer(self, request: Request, reason: FinishReason, error: str | None) -> None:
+        """Finish a request that never reached the engine (lock held)."""
+        request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, error
+        self._results.append(RequestOutput(
+            request_id=request.request_id, finished=True, finish_reason=reason, error=error,
+            num_prompt_tokens=request.num_prompt_tokens))
+        self._has_results.notify_all()

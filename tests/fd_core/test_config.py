@@ -1,0 +1,70 @@
+"""Config sources, precedence and error paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from fd_core.config import load_config
+from fd_core.errors import ConfigError
+from tests.conftest import run_fd_serve
+
+
+@pytest.fixture
+def deploy(tmp_path, monkeypatch):
+    for key in [k for k in __import__("os").environ if k.startswith("FD_")]:
+        monkeypatch.delenv(key)
+    path = tmp_path / "deploy.toml"
+    path.write_text("[cache]\nblock_size = 32\nnum_blocks = 100\n\n[server]\nport = 9001\n")
+    return path
+
+
+def test_file_values_beat_defaults(deploy):
+    config = load_config(deploy)
+    assert (config.cache.block_size, config.cache.num_blocks, config.server.port) == (32, 100, 9001)
+    assert config.scheduler.name == "local"
+
+
+def test_env_beats_file_and_cli_beats_env(deploy, monkeypatch):
+    monkeypatch.setenv("FD_CACHE__BLOCK_SIZE", "64")
+    assert load_config(deploy).cache.block_size == 64
+    config = load_config(deploy, cli_args=["--cache.block_size", "128"])
+    assert config.cache.block_size == 128
+    assert config.cache.num_blocks == 100  # untouched keys of the same section survive
+
+
+def test_errors_name_the_key_path(deploy):
+    deploy.write_text("[cache]\nblock_size = 0\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(deploy)
+    assert str(info.value) == "cache.block_size: Input should be greater than 0"
+    assert info.value.key == "cache.block_size"
+
+
+def test_unknown_keys_are_errors(deploy):
+    deploy.write_text("[cache]\nblok_size = 16\n")
+    with pytest.raises(ConfigError, match=r"^cache\.blok_size: Extra inputs are not permitted"):
+        load_config(deploy)
+    deploy.write_text("[cash]\nblock_size = 16\n")
+    with pytest.raises(ConfigError, match=r"^cash: Extra inputs are not permitted"):
+        load_config(deploy)
+
+
+def test_cross_field_rule_names_its_section(deploy):
+    deploy.write_text("[engine]\nmax_num_seqs = 64\nmax_num_batched_tokens = 32\n")
+    with pytest.raises(ConfigError, match=r"^engine: .*max_num_batched_tokens \(32\) must be >= max_num_seqs \(64\)"):
+        load_config(deploy)
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_cli_reports_key_path_and_precedence(deploy):
+    result = run_fd_serve("--config", str(deploy), "--check", "--cache.block_size", "0")
+    assert result.returncode == 2
+    assert "cache.block_size: Input should be greater than 0" in result.stderr
+    result = run_fd_serve("--config", str(deploy), "--check", "--server.port", "9100",
+                          env={"FD_SERVER__PORT": "9050", "FD_CACHE__BLOCK_SIZE": "48"})
+    assert result.returncode == 0, result.stderr
+    assert '"port": 9100' in result.stdout and '"block_size": 48' in result.stdout

@@ -1,0 +1,1 @@
+"""Broken and clashing plugins: an import error, a stale hookspec version, name clashes."""
