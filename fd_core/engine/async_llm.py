@@ -1,0 +1,100 @@
+"""The asyncio engine client: streaming ``generate`` and ``abort`` over an in-process EngineCore.
+
+Two threads serve it: the engine loop (:meth:`EngineCore.run`) and a result pump that moves
+outputs from the scheduler to the asyncio queue of the request they belong to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fd_core.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from fd_core.config import FdConfig
+    from fd_core.engine.core import EngineCore
+    from fd_core.outputs import RequestOutput
+
+#: How often the pump re-checks for shutdown while no output arrives, in seconds.
+PUMP_WAKE_S = 0.5
+
+
+class AsyncLLM:
+    """Stream outputs of requests run by a background engine thread.
+
+    Use as ``async with AsyncLLM.from_config(cfg) as llm: async for out in llm.generate(...)``.
+    Leaving a ``generate`` iteration early (break, cancellation, client gone) aborts the request.
+    """
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._engine_thread = threading.Thread(target=engine.run, args=(self._stop,), name="fd-engine", daemon=True)
+        self._pump_thread = threading.Thread(target=self._pump, name="fd-results", daemon=True)
+        self._engine_thread.start()
+        self._pump_thread.start()
+
+    @classmethod
+    def from_config(cls, config: FdConfig) -> AsyncLLM:
+        from fd_core.engine.builder import build_engine
+
+        return cls(build_engine(config))
+
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's deltas until the final one. Raises RequestError / QueueFullError."""
+        tokenizer = self.engine.tokenizer
+        request = Request(
+            request_id=request_id or f"async-{next(self._ids)}",
+            prompt_token_ids=tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt),
+            prompt=prompt if isinstance(prompt, str) else None,
+            sampling_params=sampling_params or SamplingParams(),
+            eos_token_ids=tuple(tokenizer.eos_token_ids))
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        with self._lock:
+            self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            self.engine.add_request(request)
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            if not finished:
+                self.engine.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with a final ``abort`` output."""
+        self.engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Stop both threads (requests still running are abandoned)."""
+        self._stop.set()
+        self.engine.wake()
+        self._engine_thread.join()
+        self._pump_thread.join()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            for output in self.engine.get_results(timeout=PUMP_WAKE_S):
+                with self._lock:
+                    target = self._streams.get(output.request_id)
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, output)

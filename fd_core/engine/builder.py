@@ -1,0 +1,119 @@
+"""Build an :class:`EngineCore` from a config: plugins, platform, model, KV pool, runner.
+
+Order matters and is the start-up contract: the whole config and every selected plugin are
+validated first (cheap, no device work); then the platform's worker environment is applied,
+the model is loaded, the KV pool is sized from the platform's memory profile (or
+``cache.num_blocks``), and only then are the seam plugins instantiated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fd_core.contracts.resource_manager import KVLimits
+from fd_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fd_core.config import FdConfig
+    from fd_core.contracts.platform import Platform
+    from fd_core.engine.core import EngineCore
+    from fd_core.model.arch import LlamaArchConfig
+    from fd_core.registry import Registry
+
+log = logging.getLogger(__name__)
+
+#: Upper bound of the default max_model_len (the model may allow more).
+DEFAULT_MAX_MODEL_LEN = 4096
+#: Memory kept aside for activations when sizing the KV pool from the profile.
+ACTIVATION_RESERVE_BYTES = 512 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class KVPlan:
+    """How the KV pool was sized, for logs and ``/metrics``."""
+
+    num_blocks: int
+    bytes_per_block: int
+    source: str   # "cache.num_blocks" or "profile: ..."
+
+
+def build_engine(config: FdConfig, registry: Registry | None = None) -> EngineCore:
+    """Validate, load and wire every part; raises ConfigError / PluginError / ModelLoadError."""
+    from fd_core.engine.core import EngineCore
+    from fd_core.model.loader import load_model
+    from fd_core.selection import resolve
+
+    selection = resolve(config, registry)
+    platform: Platform = selection["platform"].create()
+    if config.model.dtype not in platform.supported_dtypes():
+        raise ConfigError("model.dtype", f"{config.model.dtype!r} is not supported by platform "
+                          f"{platform.name!r}; it supports {list(platform.supported_dtypes())}")
+    os.environ.update(platform.worker_env())
+    log.info("platform %s (%s)", platform.name, selection.platform_reason)
+
+    loaded = load_model(config.model.source)
+    arch = loaded.arch
+    max_model_len = _max_model_len(config, arch)
+    kv = plan_kv_pool(config, arch, platform, max_model_len=max_model_len,
+                      weights_bytes=sum(w.nbytes for w in loaded.weights.values()))
+    log.info("KV pool: %d blocks of %d tokens (%s)", kv.num_blocks, config.cache.block_size, kv.source)
+
+    from fd_core.runner.model_runner import ModelRunner
+    from fd_core.runner.sampling import Sampler
+
+    runner = ModelRunner(arch, loaded.weights, num_blocks=kv.num_blocks, block_size=config.cache.block_size,
+                         dtype=config.model.dtype, device=platform.device_string(),
+                         sampler=Sampler(seed=config.model.seed))
+    limits = KVLimits(
+        num_blocks=kv.num_blocks, block_size=config.cache.block_size,
+        max_num_seqs=config.engine.max_num_seqs, max_num_batched_tokens=config.engine.max_num_batched_tokens,
+        max_model_len=max_model_len, enable_chunked_prefill=config.engine.enable_chunked_prefill,
+        enable_prefix_caching=config.cache.enable_prefix_caching)
+    hooks = selection.registry.hooks
+    resource_manager = selection["resource_manager"].create(limits=limits, hooks=hooks)
+    scheduler = selection["scheduler"].create(hooks=hooks, max_queue_size=config.server.max_queue_size)
+    token_processor = selection["token_processor"].create(
+        tokenizer=loaded.tokenizer, resource_manager=resource_manager, max_model_len=max_model_len)
+    return EngineCore(scheduler=scheduler, resource_manager=resource_manager, token_processor=token_processor,
+                      runner=runner, limits=limits, hooks=hooks, tokenizer=loaded.tokenizer,
+                      model_name=config.model.served_name or config.model.source, config=config)
+
+
+def _max_model_len(config: FdConfig, arch: LlamaArchConfig) -> int:
+    wanted = config.model.max_model_len
+    if wanted is None:
+        return min(arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if wanted > arch.max_position_embeddings:
+        raise ConfigError("model.max_model_len", f"{wanted} exceeds the model's context of "
+                          f"{arch.max_position_embeddings} tokens")
+    return wanted
+
+
+def plan_kv_pool(config: FdConfig, arch: LlamaArchConfig, platform: Platform, *, max_model_len: int,
+                 weights_bytes: int) -> KVPlan:
+    """Number of KV blocks: ``cache.num_blocks`` if set, else what the memory profile allows.
+
+    The profile-based count is capped at what ``max_num_seqs`` full-length requests could
+    ever use, so a large machine does not zero-fill memory it can never need.
+    """
+    from fd_core.runner.kv_cache import kv_cache_bytes_per_block
+
+    block_size = config.cache.block_size
+    per_block = kv_cache_bytes_per_block(arch, block_size, config.model.dtype)
+    blocks_per_seq = -(-max_model_len // block_size)
+    if config.cache.num_blocks is not None:
+        return KVPlan(config.cache.num_blocks, per_block, "cache.num_blocks")
+    budget = platform.kv_cache_memory_bytes(utilization=config.cache.memory_utilization,
+                                            weights_bytes=weights_bytes,
+                                            activation_reserve_bytes=ACTIVATION_RESERVE_BYTES)
+    fits = budget // per_block
+    if fits < blocks_per_seq:
+        raise ConfigError("cache.memory_utilization", (
+            f"{config.cache.memory_utilization} leaves {budget >> 20} MiB for the KV cache: {fits} blocks, "
+            f"but one {max_model_len}-token request needs {blocks_per_seq}; raise it, lower "
+            f"model.max_model_len, or set cache.num_blocks"))
+    cap = blocks_per_seq * config.engine.max_num_seqs
+    return KVPlan(min(fits, cap), per_block, f"profile: {budget >> 20} MiB for KV, capped at {cap} blocks")

@@ -1,0 +1,114 @@
+"""The offline API: ``LLM(...).generate(prompts)`` and ``.chat(messages)`` over one EngineCore.
+
+The engine loop runs in the caller's thread, step by step, until every submitted request has
+finished; nothing else is started.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from fd_core.engine.results import CompletionResult
+from fd_core.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from fd_core.config import FdConfig
+    from fd_core.engine.core import EngineCore
+
+#: Show a progress bar when a batch has at least this many prompts (and use_tqdm is not False).
+PROGRESS_BAR_MIN_PROMPTS = 16
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate offline with the full engine (plugins, paged KV, batching).
+
+    ``LLM("path/or/alias", cache={"num_blocks": 256}, resource_manager={"name": "v0"})``:
+    keyword arguments are config sections and override the environment and defaults.
+    """
+
+    def __init__(self, model: str | None = None, *, config: FdConfig | None = None, **sections: Any) -> None:
+        from fd_core.config import load_config
+        from fd_core.engine.builder import build_engine
+
+        if config is None:
+            if model is not None:
+                sections["model"] = {**sections.get("model", {}), "source": model}
+            config = load_config(**sections)
+        self.config = config
+        self.engine: EngineCore = build_engine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool | None = None) -> list[CompletionResult]:
+        """Complete each prompt (text or token ids); results come back in prompt order.
+
+        Raises RequestError for an invalid prompt before any request is queued.
+        """
+        batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        params = _per_prompt(sampling_params, len(batch))
+        requests = [self._make_request(prompt, sp) for prompt, sp in zip(batch, params, strict=True)]
+        for request in requests:
+            self.engine.validate(request)
+        results = {r.request_id: CompletionResult(r.request_id, r.prompt, r.prompt_token_ids) for r in requests}
+        show_bar = use_tqdm if use_tqdm is not None else len(requests) >= PROGRESS_BAR_MIN_PROMPTS
+        self._run(requests, results, show_bar)
+        return [results[r.request_id] for r in requests]
+
+    def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool | None = None) -> list[CompletionResult]:
+        """Apply the model's chat template to each conversation, then :meth:`generate`."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        return Request(request_id=f"offline-{next(self._ids)}", prompt_token_ids=ids, prompt=text,
+                       sampling_params=params, eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+
+    def _run(self, requests: list[Request], results: dict[str, CompletionResult], show_bar: bool) -> None:
+        from tqdm import tqdm
+
+        pending = len(requests)
+        bar = tqdm(total=pending, desc="generate", unit="req", disable=not show_bar)
+        queue = iter(requests)
+        with bar:
+            while pending:
+                # keep the scheduler queue topped up without exceeding its size limit
+                for request in itertools.islice(queue, max(0, self.engine.scheduler.max_queue_size
+                                                           - self.engine.scheduler.num_waiting())):
+                    self.engine.add_request(request)
+                self.engine.step()
+                for output in self.engine.get_results(timeout=0):
+                    result = results.get(output.request_id)
+                    if result is None:
+                        continue
+                    result.add(output)
+                    if output.finished:
+                        pending -= 1
+                        bar.update(1)
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], int)
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return list(params)
