@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from fd_core.config import load_config
 from fd_core.engine.llm import LLM
 from fd_core.testing.tiny_model import make_tiny_llama
 
@@ -23,6 +24,6 @@ def make_llm(tiny_model_dir):
         sections["cache"].setdefault("num_blocks", 256)
         sections.setdefault("model", {})
         sections["model"].setdefault("source", tiny_model_dir)
-        return LLM(**sections)
+        return LLM(config=load_config(**sections))
 
     return factory
