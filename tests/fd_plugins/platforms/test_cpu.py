@@ -1,0 +1,58 @@
+"""Tests for the cpu platform, on the real host (nothing faked)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from fd_plugins.platforms.cpu import CpuPlatform, CpuSettings, read_meminfo
+
+
+def test_detect_is_available_here() -> None:
+    result = CpuPlatform.detect()
+    assert result.available and result.device_count == 1
+    assert "CPU" in result.reason
+
+
+def test_memory_profile_is_sane() -> None:
+    profile = CpuPlatform().memory_profile()
+    assert profile.total_bytes >= profile.free_bytes > 0
+
+
+def test_read_meminfo_converts_kib(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000 kB\nMemFree:         1000 kB\n"
+                       "MemAvailable:    8000 kB\nBuffers:          10 kB\n")
+    profile = read_meminfo(str(meminfo))
+    assert (profile.total_bytes, profile.free_bytes) == (16000 * 1024, 8000 * 1024)
+
+
+@pytest.mark.parametrize("utilization", [0.01, 0.3, 0.9])
+def test_kv_cache_memory_respects_utilization(utilization: float) -> None:
+    platform = CpuPlatform()
+    weights, reserve = 100 << 20, 50 << 20
+    budget = platform.kv_cache_memory_bytes(utilization=utilization, weights_bytes=weights,
+                                            activation_reserve_bytes=reserve)
+    profile = platform.memory_profile()
+    assert 0 <= budget <= max(0, int(profile.total_bytes * utilization) - weights - reserve)
+
+
+def test_worker_env_sets_thread_counts() -> None:
+    assert CpuPlatform(CpuSettings(num_threads=3)).worker_env()["OMP_NUM_THREADS"] == "3"
+    assert CpuPlatform().worker_env()["MKL_NUM_THREADS"] == str(os.cpu_count())
+
+
+def test_settings_reject_unknown_keys_and_bad_values() -> None:
+    with pytest.raises(pydantic.ValidationError):
+        CpuSettings.model_validate({"num_thread": 2})
+    with pytest.raises(pydantic.ValidationError):
+        CpuSettings(num_threads=0)
+
+
+def test_device_and_dtypes() -> None:
+    platform = CpuPlatform()
+    assert platform.device_string(3) == "cpu"
+    assert platform.supported_dtypes() == ("float32",)
