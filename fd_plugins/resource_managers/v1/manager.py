@@ -1,0 +1,221 @@
+"""The ``v1`` KV resource manager: a per-step token budget over a prefix-cached block pool.
+
+Mental model (after vLLM v1 and FastDeploy's ResourceManagerV1): there are no prefill or decode
+phases. Each request has ``num_tokens`` known tokens, of which ``num_computed_tokens`` have K/V
+in the cache; every step hands out at most ``max_num_batched_tokens`` tokens so that computed
+counts catch up. One prompt may take several steps (chunked prefill); a decode row is simply a
+request one token behind.
+
+``schedule`` in order:
+
+1. Full blocks computed in earlier steps are registered in the prefix cache.
+2. RUNNING requests, in admission order, while budget is left: ``n = min(behind, budget)``,
+   chunked (``fd_prefill_chunk_size`` hook, else ``long_prefill_token_threshold``); blocks are
+   taken for ``computed + n`` tokens. When the pool runs dry a victim is preempted
+   (``fd_select_preemption_victim``, default: the last admitted) by recompute: it loses its
+   blocks and its row if it had one this step (the budget is refunded), gets
+   ``num_computed_tokens = 0`` and goes back to the *front* of ``waiting``. A request that
+   preempts itself is not scheduled this step.
+3. WAITING requests, FIFO, only if nothing was preempted this step and while fewer than
+   ``max_num_seqs`` run: prefix-cache hits first, then the rest is chunked as above. With
+   chunked prefill off, a prompt that does not fit the budget left waits (and, FCFS, so does
+   everyone behind it) — unless it is longer than the whole budget, in which case it is chunked
+   anyway since it could never run otherwise. The first request whose blocks do not fit stops
+   admission (strict FCFS).
+
+Liveness: the engine admits only requests whose ``prompt + max_tokens`` fits the pool, and the
+default victim is the last admitted, so the oldest running request can always take the whole
+pool and finish.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fd_core.outputs import StepPlan
+from fd_core.request import FinishReason, RequestStatus
+from fd_plugins.resource_managers._common import BlockTable, QueuedBlockManager, cdiv
+from fd_plugins.resource_managers.v1.block_pool import BlockPool
+from fd_plugins.resource_managers.v1.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from fd_core.contracts.resource_manager import KVLimits, KVStats
+    from fd_core.outputs import ScheduledRequest
+    from fd_core.request import Request
+    from fd_plugins.resource_managers.v1.block_pool import KVBlock
+
+
+class V1Settings(BaseModel):
+    """``[resource_manager.options]`` of ``v1``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    long_prefill_token_threshold: int | None = Field(
+        None, gt=0, description="Most prompt tokens one request computes per step when chunked "
+                                "prefill is on (the fd_prefill_chunk_size hook overrides it); "
+                                "None: only the step budget limits it.")
+
+
+class V1ResourceManager(QueuedBlockManager):
+    """Token-budget scheduler with chunked prefill, recompute preemption and prefix caching."""
+
+    name: ClassVar[str] = "v1"
+    fd_hookspec_version: ClassVar[int] = 1
+    settings_model: ClassVar[type[BaseModel]] = V1Settings
+
+    def __init__(self, settings: V1Settings | None, *, limits: KVLimits, hooks: Any) -> None:
+        settings = settings or V1Settings()
+        self.prefix_cache = PrefixCache(limits.block_size) if limits.enable_prefix_caching else None
+        pool = BlockPool(limits.num_blocks,
+                         on_evict=self.prefix_cache.forget if self.prefix_cache is not None else None)
+        super().__init__(settings, limits=limits, hooks=hooks, pool=pool)
+        self._long_prefill_threshold = settings.long_prefill_token_threshold
+        self._hashes: dict[str, list[bytes]] = {}   # request id -> its chain of full-block hashes
+        self._cache_queries = 0                     # tokens looked up in the prefix cache
+        self._cache_hits = 0                        # tokens found there
+
+    # --- the contract ------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan one step as the module docstring describes: running first, then waiting."""
+        now = time.time()
+        budget = self.limits.max_num_batched_tokens
+        rows: dict[str, ScheduledRequest] = {}     # this step's rows, in planning order
+        preempted: list[str] = []
+        if self.prefix_cache is not None:
+            for request in self.running:
+                self._cache_full_blocks(request)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            behind = request.num_tokens - request.num_computed_tokens
+            if behind == 0:
+                i += 1
+                continue
+            n = self._chunk(request, behind, budget)
+            missing = self._blocks_missing(request, request.num_computed_tokens + n)
+            while missing > self.pool.num_free:
+                victim = self._select_victim(request)
+                if self.running.index(victim) < i:
+                    i -= 1
+                budget += self._preempt(victim, rows)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.PREEMPTED:
+                continue   # it preempted itself; ``i`` already points at the next one
+            if missing:
+                self._grow(request, missing)
+            rows[request.request_id] = self._row(request, n, now)
+            budget -= n
+            i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(rows, budget, now)
+        return StepPlan(list(rows.values()), preempted, self.limits.max_num_batched_tokens - budget)
+
+    def finish_requests(self, requests: list[Request], reason: FinishReason) -> None:
+        # After a stop or length finish the last step ran, so its full blocks hold valid K/V;
+        # after an error they may not, and must not be offered to other requests.
+        if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            for request in requests:
+                if request.request_id in self.tables:
+                    self._cache_full_blocks(request)
+        super().finish_requests(requests, reason)
+
+    def stats(self) -> KVStats:
+        stats = super().stats()
+        stats.prefix_cache_queries = self._cache_queries
+        stats.prefix_cache_hits = self._cache_hits
+        return stats
+
+    # --- steps of schedule -------------------------------------------------------------------
+
+    def _admit_waiting(self, rows: dict[str, ScheduledRequest], budget: int, now: float) -> int:
+        """Admit waiting requests FIFO into the budget left; return what is left then."""
+        bs = self.limits.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            request = self.waiting[0]
+            hits = self._cache_hits_for(request)
+            num_cached = len(hits) * bs
+            behind = request.num_tokens - num_cached
+            if not self.limits.enable_chunked_prefill and budget < behind <= self.limits.max_num_batched_tokens:
+                break
+            n = self._chunk(request, behind, budget)
+            new_blocks = cdiv(num_cached + n, bs) - len(hits)
+            revived = sum(1 for b in hits if b.ref_cnt == 0)   # hits that leave the free queue
+            if new_blocks + revived > self.pool.num_free:
+                break
+            if self.prefix_cache is not None:
+                self._cache_queries += request.num_tokens
+                self._cache_hits += num_cached
+            self.pool.touch(hits)
+            self._start_running(request, BlockTable(hits, [b.block_id for b in hits], len(hits)))
+            self._grow(request, new_blocks)
+            request.num_computed_tokens = num_cached
+            if request.scheduled_time is None:
+                request.num_cached_tokens = num_cached
+            rows[request.request_id] = self._row(request, n, now)
+            budget -= n
+        return budget
+
+    def _chunk(self, request: Request, behind: int, budget: int) -> int:
+        """Tokens of ``request`` to compute now: all it is behind, within budget and chunk size."""
+        n = min(behind, budget)
+        if behind == 1 or not self.limits.enable_chunked_prefill:
+            return n
+        proposal = self.hooks.fd_prefill_chunk_size(request=request, remaining_prompt=behind, budget=budget)
+        if proposal is not None:
+            return max(1, min(int(proposal), n))
+        if self._long_prefill_threshold is not None:
+            return min(n, self._long_prefill_threshold)
+        return n
+
+    def _select_victim(self, needed_by: Request) -> Request:
+        victim = self.hooks.fd_select_preemption_victim(running=list(self.running), needed_by=needed_by)
+        if victim is None:
+            return self.running[-1]
+        if not any(r is victim for r in self.running):
+            raise ValueError(f"fd_select_preemption_victim returned {victim!r}, which is not running; "
+                             "the victim must be one of the `running` requests it was given")
+        return victim
+
+    def _preempt(self, victim: Request, rows: dict[str, ScheduledRequest]) -> int:
+        """Recompute-preempt ``victim``; return the budget its row of this step gave back."""
+        row = rows.pop(victim.request_id, None)
+        self._release(victim)
+        self.running.remove(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return row.num_new_tokens if row is not None else 0
+
+    # --- prefix caching ----------------------------------------------------------------------
+
+    def _cache_hits_for(self, request: Request) -> list[KVBlock]:
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(request, self._hashes.setdefault(request.request_id, []))
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose K/V are computed (earlier steps)."""
+        assert self.prefix_cache is not None
+        table = self.tables[request.request_id]
+        full = request.num_computed_tokens // self.limits.block_size
+        if full <= table.num_cached_blocks:
+            return
+        hashes = self._hashes.setdefault(request.request_id, [])
+        self.prefix_cache.extend_hashes(request, hashes, full)
+        for i in range(table.num_cached_blocks, full):
+            self.prefix_cache.insert(table.blocks[i], hashes[i])
+        table.num_cached_blocks = full
+
+    def _retire(self, request: Request, reason: FinishReason) -> None:
+        super()._retire(request, reason)
+        self._hashes.pop(request.request_id, None)
