@@ -5,7 +5,9 @@ calls :meth:`schedule` once, runs the plan, and the token processor then reports
 requests through :meth:`finish_requests`. :meth:`abort` may come between steps.
 
 Invariants every implementation keeps (checked by ``fd_core.testing.conformance``):
-- ``plan.total_num_tokens <= max_num_batched_tokens`` and ``len(plan.scheduled) <= max_num_seqs``.
+- ``plan.total_num_tokens <= max_num_batched_tokens`` and ``len(plan.scheduled) <= max_num_seqs``;
+  the one exception: a manager without chunked prefill (v0) may plan a whole prompt longer
+  than the budget as the only row of a step, since it could never run otherwise.
 - ``schedule`` advances ``request.num_computed_tokens`` by the planned tokens at once, so
   the next step's plan continues where this one ends.
 - A block is owned by its requests (reference counted when shared through prefix caching);

@@ -139,12 +139,16 @@ class Tokenizer:
         backend.pre_tokenizer = _gguf_pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"), source)
         backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _TOKEN_TYPE_CONTROL]
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, k in zip(tokens, types, strict=False)
+                if k == _TOKEN_TYPE_CONTROL
+            ]
         )
         backend.add_tokens(
             [
                 AddedToken(t, special=False, normalized=False)
-                for t, k in zip(tokens, types)
+                for t, k in zip(tokens, types, strict=False)
                 if k == _TOKEN_TYPE_USER_DEFINED
             ]
         )
@@ -190,7 +194,9 @@ class Tokenizer:
     def _token(self, token_id: int) -> str:
         token = self._backend.id_to_token(token_id)
         if token is None:
-            raise RequestError("token_id", f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+            raise RequestError(
+                "token_id", f"token id {token_id} is outside the vocabulary (size {self.vocab_size})"
+            )
         return token
 
     def _required_id(self, token: str) -> int:
@@ -238,12 +244,20 @@ def gguf_eos_token_ids(metadata: Mapping[str, Any]) -> tuple[int, ...]:
     """
     ids = [
         metadata[key]
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        for key in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        )
         if metadata.get(key) is not None
     ]
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     types = metadata.get("tokenizer.ggml.token_type") or []
-    ids += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == _TOKEN_TYPE_CONTROL and t in _EOG_TEXTS]
+    ids += [
+        i
+        for i, (t, k) in enumerate(zip(tokens, types, strict=False))
+        if k == _TOKEN_TYPE_CONTROL and t in _EOG_TEXTS
+    ]
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
@@ -253,7 +267,8 @@ def _gguf_pre_tokenizer(pre: str, source: str) -> tokenizers.pre_tokenizers.PreT
     split = _GGUF_PRE_TOKENIZERS.get(pre)
     if split is None:
         raise ModelLoadError(
-            f"{source}: tokenizer.ggml.pre={pre!r} is not supported; supported: {sorted(_GGUF_PRE_TOKENIZERS)}"
+            f"{source}: tokenizer.ggml.pre={pre!r} is not supported; "
+            f"supported: {sorted(_GGUF_PRE_TOKENIZERS)}"
         )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in ("gpt2", "digits"))
     if split == "gpt2":
@@ -274,13 +289,17 @@ def _compile_template(template: str, source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False) -> str:
+    def tojson(
+        value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

@@ -1,0 +1,144 @@
+"""Read a llama GGUF file into a :class:`LlamaArchConfig`, float32 weights and its metadata.
+
+Tensors are dequantized at load (F32, F16, Q8_0, Q4_0, Q4_1) and renamed to Hugging Face
+names. llama.cpp's converter stores ``attn_q``/``attn_k`` rows permuted for interleaved
+(GPT-J style) RoPE; they are permuted back here so the weights match Hugging Face's
+``rotate_half`` layout, which is what the model implements.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from fd_core.errors import ModelLoadError
+from fd_core.model.arch import LlamaArchConfig
+from fd_core.model.tokenizer import gguf_eos_token_ids
+
+if TYPE_CHECKING:
+    import gguf
+
+#: GGML tensor types this loader dequantizes; anything else is refused before any work.
+SUPPORTED_TENSOR_TYPES: Final = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+
+_GLOBAL_NAMES: Final = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES: Final = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_TENSOR: Final = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def load_gguf(path: str | Path) -> tuple[LlamaArchConfig, dict[str, np.ndarray], dict[str, Any]]:
+    """Architecture, float32 weights (Hugging Face names) and all metadata values of a GGUF file.
+
+    The metadata dict maps GGUF keys (``tokenizer.ggml.tokens``...) to Python values; the
+    tokenizer is built from it.
+    """
+    import gguf
+
+    path = Path(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    metadata = {key: field.contents() for key, field in reader.fields.items()}
+    architecture = metadata.get("general.architecture")
+    if architecture != "llama":
+        raise ModelLoadError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: llama")
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which is not "
+                f"supported; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+            )
+    arch = _arch_config(path, metadata, {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors})
+    weights = {}
+    for tensor in reader.tensors:
+        name = _hf_name(path, tensor.name)
+        weights[name] = _unpermute(name, _dequantize(tensor), arch)
+    return arch, weights, metadata
+
+
+def _arch_config(path: Path, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> LlamaArchConfig:
+    """Hyper-parameters from ``llama.*`` keys; ``shapes`` are GGUF (ne, innermost-first) shapes."""
+    if "rope_freqs.weight" in shapes or metadata.get("llama.rope.scaling.type", "none") != "none":
+        raise ModelLoadError(f"{path}: RoPE scaling (llama.rope.scaling.* / rope_freqs) is not supported")
+    if "token_embd.weight" not in shapes:
+        raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
+    hidden, vocab = shapes["token_embd.weight"]
+    try:
+        heads = metadata["llama.attention.head_count"]
+        return LlamaArchConfig(
+            architecture="LlamaForCausalLM",
+            vocab_size=vocab,
+            hidden_size=metadata["llama.embedding_length"],
+            intermediate_size=metadata["llama.feed_forward_length"],
+            num_hidden_layers=metadata["llama.block_count"],
+            num_attention_heads=heads,
+            num_key_value_heads=metadata.get("llama.attention.head_count_kv", heads),
+            head_dim=metadata.get("llama.attention.key_length", hidden // heads),
+            max_position_embeddings=metadata.get("llama.context_length", 2048),
+            rms_norm_eps=_shortest(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=_shortest(metadata.get("llama.rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in shapes,
+            attention_bias="blk.0.attn_q.bias" in shapes,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=gguf_eos_token_ids(metadata),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: metadata key {e.args[0]!r} is missing") from e
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+
+
+def _shortest(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def _hf_name(path: Path, name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _BLOCK_TENSOR.fullmatch(name)
+    if match is None or match[2] not in _BLOCK_NAMES:
+        raise ModelLoadError(f"{path}: tensor {name!r} is not part of a llama model this loader knows")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """Float32 array in numpy (row-major) order, i.e. the GGUF ``ne`` shape reversed."""
+    import gguf
+
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(
+        tuple(int(n) for n in reversed(tensor.shape))
+    )
+
+
+def _unpermute(name: str, weight: np.ndarray, arch: LlamaArchConfig) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of Q/K rows (per head: interleaved pairs -> two halves)."""
+    if ".q_proj." in name:
+        heads = arch.num_attention_heads
+    elif ".k_proj." in name:
+        heads = arch.num_key_value_heads
+    else:
+        return weight
+    # the converter viewed rows as (heads, 2, head_dim/2) and swapped the last two axes
+    rows = weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:])
+    return np.ascontiguousarray(rows.swapaxes(1, 2).reshape(weight.shape))

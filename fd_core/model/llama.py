@@ -1,0 +1,173 @@
+"""The Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral) as Paddle compute over a paged KV cache.
+
+Built from a :class:`~fd_core.model.arch.LlamaArchConfig` and Hugging Face named numpy
+weights. To keep per-layer Python overhead low, q/k/v are one matmul (their weights
+concatenated), gate/up are one matmul feeding ``swiglu``, residual adds are fused into
+``fused_rms_norm``, and RoPE (Hugging Face's non-interleaved ``rotate_half`` convention) is
+applied to q and k together with one ``roll``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+from paddle.incubate.nn.functional import fused_rms_norm
+
+from fd_kernels.paged_attention import paged_attention, write_kv_cache
+
+if TYPE_CHECKING:
+    from fd_core.model.arch import LlamaArchConfig
+    from fd_core.runner.attention_metadata import AttentionMetadata
+    from fd_core.runner.kv_cache import LayerKVCache
+
+#: Compute dtypes the model accepts; float32 is the tested path.
+SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerWeights:
+    """One decoder layer's tensors; linear weights are ``[in, out]`` (paddle's convention)."""
+
+    input_norm: paddle.Tensor       # [hidden]
+    qkv: paddle.Tensor              # [hidden, (H + 2 * Hkv) * head_dim]: q (pre-scaled), k, v
+    qkv_bias: paddle.Tensor | None  # [(H + 2 * Hkv) * head_dim] when attention_bias, same order
+    o: paddle.Tensor                # [H * head_dim, hidden]
+    post_norm: paddle.Tensor        # [hidden]
+    gate_up: paddle.Tensor          # [hidden, 2 * intermediate]: gate, then up columns
+    down: paddle.Tensor             # [intermediate, hidden]
+
+
+def _rope_tables(arch: LlamaArchConfig) -> tuple[np.ndarray, np.ndarray]:
+    """cos and signed-sin tables ``[max_position_embeddings, head_dim]`` (float32, as HF computes).
+
+    ``rotate_half(x) * sin == roll(x, head_dim // 2) * signed_sin`` with the first half of
+    ``signed_sin`` negated, which saves the slice/negate/concat of ``rotate_half``.
+    """
+    dim = arch.head_dim
+    inv_freq = (1.0 / (np.float32(arch.rope_theta)
+                       ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
+    freqs = np.arange(arch.max_position_embeddings, dtype=np.float32)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([freqs, freqs], axis=-1).astype(np.float32)
+    sin = np.sin(angles)
+    sin[:, : dim // 2] *= -1
+    return np.cos(angles), sin
+
+
+class LlamaForCausalLM:
+    """A Llama-shaped causal LM whose attention reads and writes a paged KV cache."""
+
+    def __init__(self, arch: LlamaArchConfig, weights: Mapping[str, np.ndarray], *,
+                 dtype: str = "float32") -> None:
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
+        missing = [name for name in _required_weights(arch) if name not in weights]
+        if missing:
+            raise ValueError(f"{len(missing)} weights missing for {arch.architecture}, "
+                             f"e.g. {missing[:3]}")
+        if dtype != "float32" and paddle.get_device() == "cpu":
+            raise ValueError(f"model dtype {dtype!r} needs a GPU build: Paddle's CPU matmul and "
+                             "fused_rms_norm kernels are float32-only; use dtype='float32'")
+        self.arch = arch
+        self.dtype = dtype
+        # Attention's 1/sqrt(head_dim) is folded into q_proj (RoPE is linear, so it commutes).
+        q_scale = 1.0 / math.sqrt(arch.head_dim)
+
+        def tensor(array: np.ndarray) -> paddle.Tensor:
+            return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=dtype)
+
+        def linear(*names: str) -> paddle.Tensor:  # HF [out, in] blocks -> one [in, sum(out)]
+            return tensor(np.concatenate([weights[name] * (q_scale if ".q_proj." in name else 1.0)
+                                          for name in names], axis=0).T)
+
+        self.embed_tokens = tensor(weights["model.embed_tokens.weight"])     # [vocab, hidden]
+        self.layers: list[_LayerWeights] = []
+        for i in range(arch.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+            self.layers.append(_LayerWeights(
+                input_norm=tensor(weights[f"{p}input_layernorm.weight"]),
+                qkv=linear(*(f"{name}.weight" for name in attn)),
+                qkv_bias=(tensor(np.concatenate([weights[f"{attn[0]}.bias"] * q_scale]
+                                                + [weights[f"{name}.bias"] for name in attn[1:]]))
+                          if arch.attention_bias else None),
+                o=linear(f"{p}self_attn.o_proj.weight"),
+                post_norm=tensor(weights[f"{p}post_attention_layernorm.weight"]),
+                gate_up=linear(f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
+                down=linear(f"{p}mlp.down_proj.weight"),
+            ))
+        self.norm = tensor(weights["model.norm.weight"])
+        # [vocab, hidden], multiplied with transpose_y so a tied head shares the embedding.
+        self.lm_head = (self.embed_tokens if arch.tie_word_embeddings
+                        else tensor(weights["lm_head.weight"]))
+        cos, sin = _rope_tables(arch)
+        self.rope_cos = tensor(cos)
+        self.rope_sin = tensor(sin)
+
+    def _norm(self, x: paddle.Tensor, weight: paddle.Tensor,
+              residual: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """RMSNorm of ``x + residual``; returns (normed, the new residual stream)."""
+        if residual is None:
+            return fused_rms_norm(x, weight, None, self.arch.rms_norm_eps, 1)[0], x
+        out, residual = fused_rms_norm(x, weight, None, self.arch.rms_norm_eps, 1, residual=residual)
+        return out, residual
+
+    def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor,
+                attn: AttentionMetadata, kv_caches: Sequence[LayerKVCache]) -> paddle.Tensor:
+        """Run ``input_ids [T]`` at ``positions [T]``, writing their K/V into ``kv_caches``.
+
+        Returns float32 logits ``[S, vocab]`` for the tokens at ``attn.sample_indices`` only.
+        """
+        arch = self.arch
+        heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        num_tokens = input_ids.shape[0]
+        # cos/sin gathered per (token, q or k head): Paddle's CPU multiply is ~20x slower
+        # when it broadcasts a [T, 1, D] operand than on equal shapes.
+        rope_heads = heads + kv_heads
+        rope_positions = paddle.repeat_interleave(positions, rope_heads)
+        cos = paddle.index_select(self.rope_cos, rope_positions).reshape([num_tokens, rope_heads, -1])
+        sin = paddle.index_select(self.rope_sin, rope_positions).reshape([num_tokens, rope_heads, -1])
+        x = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            h, residual = self._norm(x, layer.input_norm, residual)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).reshape([num_tokens, -1, head_dim])
+            qk = qkv[:, :rope_heads]
+            qk = qk * cos + paddle.roll(qk, head_dim // 2, axis=-1) * sin
+            k, v = qk[:, heads:], qkv[:, rope_heads:]
+            write_kv_cache(k, v, cache.key, cache.value, attn.write_index)
+            out = paged_attention(qk[:, :heads], cache.key, cache.value,
+                                  num_decode=attn.num_decode, decode_index=attn.decode_index,
+                                  decode_mask=attn.decode_mask, prefill=attn.prefill,
+                                  scale=1.0)
+            x = F.linear(out.reshape([num_tokens, heads * head_dim]), layer.o)
+            h, residual = self._norm(x, layer.post_norm, residual)
+            x = F.linear(F.swiglu(F.linear(h, layer.gate_up)), layer.down)
+        if attn.sample_indices.shape[0] == 0:
+            return paddle.zeros([0, arch.vocab_size], dtype="float32")
+        # Only sampled rows need the final norm and the (large) vocabulary projection.
+        h, _ = self._norm(paddle.gather(x, attn.sample_indices), self.norm,
+                          paddle.gather(residual, attn.sample_indices))
+        return paddle.matmul(h, self.lm_head, transpose_y=True).astype("float32")
+
+    __call__ = forward
+
+
+def _required_weights(arch: LlamaArchConfig) -> list[str]:
+    """Hugging Face names the model reads (see :class:`LlamaArchConfig`)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight",
+                  f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight", f"{p}mlp.down_proj.weight"]
+        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        if arch.attention_bias:
+            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+    return names

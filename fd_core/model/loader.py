@@ -1,0 +1,157 @@
+"""Load a model from a source string: a model alias, a Hugging Face folder or a ``.gguf`` file.
+
+:func:`load_model` dispatches to the right reader, builds the tokenizer beside the weights and
+checks that the weights are exactly the set (names and shapes) the architecture needs, so a
+model that loads is a model the Llama-family runner can execute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fd_core.errors import ModelLoadError
+from fd_core.model.arch import LlamaArchConfig
+from fd_core.model.default_model import DEFAULT_MODEL_ALIAS, MODEL_ALIASES, resolve_alias
+from fd_core.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """Everything needed to run a model: its shape, float32 weights and tokenizer."""
+
+    arch: LlamaArchConfig
+    weights: dict[str, np.ndarray]  # Hugging Face names -> float32 arrays (see arch.py)
+    tokenizer: Tokenizer
+    source_path: Path  # the folder or .gguf file the model was read from
+
+    def __repr__(self) -> str:
+        weights = f"<{len(self.weights)} tensors>"
+        return f"LoadedModel(arch={self.arch!r}, weights={weights}, source_path={self.source_path!r})"
+
+
+def load_model(source: str = DEFAULT_MODEL_ALIAS) -> LoadedModel:
+    """Load ``source``: an alias from ``MODEL_ALIASES``, a Hugging Face folder or a ``.gguf`` file."""
+    if source in MODEL_ALIASES:
+        return _load_gguf(resolve_alias(source))
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return _load_folder(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path)
+    if path.exists():
+        raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+    raise ModelLoadError(
+        f"model {source!r} not found: no such file or folder {path}; "
+        f"expected a Hugging Face folder, a .gguf file or an alias ({', '.join(MODEL_ALIASES)})"
+    )
+
+
+def _load_folder(folder: Path) -> LoadedModel:
+    from fd_core.model.hf_loader import load_hf_folder
+
+    arch, weights = load_hf_folder(folder)
+    tokenizer = Tokenizer.from_folder(folder, extra_eos_token_ids=arch.eos_token_ids)
+    # generation_config.json and tokenizer_config.json may each name an EOS; stop on all of them
+    arch = dataclasses.replace(arch, eos_token_ids=tokenizer.eos_token_ids)
+    _check_weights(arch, weights, folder)
+    return LoadedModel(arch=arch, weights=weights, tokenizer=tokenizer, source_path=folder)
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    from fd_core.model.gguf_loader import load_gguf
+
+    arch, weights, metadata = load_gguf(path)
+    tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(path))
+    _check_weights(arch, weights, path)
+    return LoadedModel(arch=arch, weights=weights, tokenizer=tokenizer, source_path=path)
+
+
+def expected_weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight a model of ``arch`` has (layout documented in arch.py)."""
+    h, q, kv = (
+        arch.hidden_size,
+        arch.num_attention_heads * arch.head_dim,
+        arch.num_key_value_heads * arch.head_dim,
+    )
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
+            p + "mlp.up_proj.weight": (arch.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, arch.intermediate_size),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+        if arch.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
+    return shapes
+
+
+def _check_weights(arch: LlamaArchConfig, weights: dict[str, np.ndarray], source: Path) -> None:
+    """Raise unless ``weights`` has exactly the names and shapes ``arch`` needs."""
+    expected = expected_weight_shapes(arch)
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    wrong = [
+        f"{n} {weights[n].shape} (expected {s})"
+        for n, s in expected.items()
+        if n in weights and weights[n].shape != s
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    if unexpected:
+        problems.append(
+            f"unexpected tensors: {', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else "")
+        )
+    if wrong:
+        problems.append(f"wrong shapes: {', '.join(wrong[:8])}")
+    if problems:
+        raise ModelLoadError(f"{source}: weights do not match {arch.architecture}: " + "; ".join(problems))
+
+
+def load_tokenizer(source: str = DEFAULT_MODEL_ALIAS) -> Tokenizer:
+    """Only the tokenizer of ``source`` (resolved as :func:`load_model` does), without reading weights.
+
+    The server's front end uses it: it tokenizes and renders chat templates while the engine
+    process holds the model.
+    """
+    if source in MODEL_ALIASES:
+        return _gguf_tokenizer(resolve_alias(source))
+    path = Path(source).expanduser()
+    if path.is_dir():
+        from fd_core.model.hf_loader import read_hf_config
+
+        return Tokenizer.from_folder(path, extra_eos_token_ids=read_hf_config(path).eos_token_ids)
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_tokenizer(path)
+    return load_model(source).tokenizer  # not a model source: raises load_model's error naming why
+
+
+def _gguf_tokenizer(path: Path) -> Tokenizer:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    metadata = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    return Tokenizer.from_gguf_metadata(metadata, source=str(path))
