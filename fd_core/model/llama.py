@@ -66,10 +66,16 @@ class LlamaForCausalLM:
                  dtype: str = "float32") -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
-        missing = [name for name in _required_weights(arch) if name not in weights]
+        expected = _weight_shapes(arch)
+        missing = [name for name in expected if name not in weights]
         if missing:
             raise ValueError(f"{len(missing)} weights missing for {arch.architecture}, "
                              f"e.g. {missing[:3]}")
+        wrong = [f"{name}: {tuple(weights[name].shape)} != {shape}"
+                 for name, shape in expected.items() if tuple(weights[name].shape) != shape]
+        if wrong:
+            raise ValueError(f"{len(wrong)} weights have the wrong shape for the config, "
+                             f"e.g. {wrong[:3]}")
         if dtype != "float32" and paddle.get_device() == "cpu":
             raise ValueError(f"model dtype {dtype!r} needs a GPU build: Paddle's CPU matmul and "
                              "fused_rms_norm kernels are float32-only; use dtype='float32'")
@@ -81,25 +87,25 @@ class LlamaForCausalLM:
         def tensor(array: np.ndarray) -> paddle.Tensor:
             return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=dtype)
 
-        def linear(*names: str) -> paddle.Tensor:  # HF [out, in] blocks -> one [in, sum(out)]
-            return tensor(np.concatenate([weights[name] * (q_scale if ".q_proj." in name else 1.0)
-                                          for name in names], axis=0).T)
+        def linear(*blocks: np.ndarray) -> paddle.Tensor:  # HF [out, in] blocks -> [in, sum(out)]
+            return tensor(np.concatenate(blocks, axis=0).T)
 
         self.embed_tokens = tensor(weights["model.embed_tokens.weight"])     # [vocab, hidden]
         self.layers: list[_LayerWeights] = []
         for i in range(arch.num_hidden_layers):
             p = f"model.layers.{i}."
-            attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+            q, k, v = (f"{p}self_attn.{x}_proj" for x in "qkv")
             self.layers.append(_LayerWeights(
                 input_norm=tensor(weights[f"{p}input_layernorm.weight"]),
-                qkv=linear(*(f"{name}.weight" for name in attn)),
-                qkv_bias=(tensor(np.concatenate([weights[f"{attn[0]}.bias"] * q_scale]
-                                                + [weights[f"{name}.bias"] for name in attn[1:]]))
+                qkv=linear(weights[f"{q}.weight"] * q_scale, weights[f"{k}.weight"],
+                           weights[f"{v}.weight"]),
+                qkv_bias=(tensor(np.concatenate([weights[f"{q}.bias"] * q_scale,
+                                                 weights[f"{k}.bias"], weights[f"{v}.bias"]]))
                           if arch.attention_bias else None),
-                o=linear(f"{p}self_attn.o_proj.weight"),
+                o=linear(weights[f"{p}self_attn.o_proj.weight"]),
                 post_norm=tensor(weights[f"{p}post_attention_layernorm.weight"]),
-                gate_up=linear(f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
-                down=linear(f"{p}mlp.down_proj.weight"),
+                gate_up=linear(weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"]),
+                down=linear(weights[f"{p}mlp.down_proj.weight"]),
             ))
         self.norm = tensor(weights["model.norm.weight"])
         # [vocab, hidden], multiplied with transpose_y so a tied head shares the embedding.
@@ -158,16 +164,26 @@ class LlamaForCausalLM:
     __call__ = forward
 
 
-def _required_weights(arch: LlamaArchConfig) -> list[str]:
-    """Hugging Face names the model reads (see :class:`LlamaArchConfig`)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
+def _weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every weight the model reads (see :class:`LlamaArchConfig`)."""
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    q_out = arch.num_attention_heads * arch.head_dim
+    kv_out = arch.num_key_value_heads * arch.head_dim
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, hidden), "model.norm.weight": (hidden,)}
     if not arch.tie_word_embeddings:
-        names.append("lm_head.weight")
+        shapes["lm_head.weight"] = (arch.vocab_size, hidden)
     for i in range(arch.num_hidden_layers):
         p = f"model.layers.{i}."
-        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight",
-                  f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight", f"{p}mlp.down_proj.weight"]
-        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        shapes |= {
+            f"{p}input_layernorm.weight": (hidden,), f"{p}post_attention_layernorm.weight": (hidden,),
+            f"{p}self_attn.q_proj.weight": (q_out, hidden),
+            f"{p}self_attn.k_proj.weight": (kv_out, hidden),
+            f"{p}self_attn.v_proj.weight": (kv_out, hidden),
+            f"{p}self_attn.o_proj.weight": (hidden, q_out),
+            f"{p}mlp.gate_proj.weight": (inter, hidden), f"{p}mlp.up_proj.weight": (inter, hidden),
+            f"{p}mlp.down_proj.weight": (hidden, inter),
+        }
         if arch.attention_bias:
-            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
-    return names
+            shapes |= {f"{p}self_attn.q_proj.bias": (q_out,), f"{p}self_attn.k_proj.bias": (kv_out,),
+                       f"{p}self_attn.v_proj.bias": (kv_out,)}
+    return shapes

@@ -30,8 +30,8 @@ def test_rows_ordered_decode_first_and_indexed() -> None:
 
 
 def test_unused_trailing_blocks_are_not_read() -> None:
-    meta = build_attention_metadata([_row("d", 2, 1, [3, 8, 5])], block_size=4, num_blocks=10, num_heads=2,
-                                    num_kv_heads=1)
+    meta = build_attention_metadata([_row("d", 2, 1, [3, 8, 5])], block_size=4, num_blocks=10,
+                                    num_heads=2, num_kv_heads=1)
     assert meta.block_tables.tolist() == [[3]]
     assert meta.decode_mask.shape == [1, 2, 4]
 
@@ -39,4 +39,5 @@ def test_unused_trailing_blocks_are_not_read() -> None:
 @pytest.mark.parametrize(("table", "match"), [([1], "cannot hold 6 tokens"), ([1, 10], "outside")])
 def test_bad_block_tables_rejected(table: list[int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        build_attention_metadata([_row("r", 0, 6, table)], block_size=4, num_blocks=10, num_heads=1, num_kv_heads=1)
+        build_attention_metadata([_row("r", 0, 6, table)], block_size=4, num_blocks=10,
+                                 num_heads=1, num_kv_heads=1)
