@@ -1,0 +1,115 @@
+"""Per-step attention inputs: built once on the host from the scheduled rows, read by every layer.
+
+Token order in a step: rows with one new token (decode rows, batched by the kernel) come
+first, then multi-token rows (prefill chunks), each row's tokens contiguous. The runner
+sorts rows that way (:func:`order_rows`) and lays out ``input_ids`` in the same order.
+All index arithmetic is numpy; each device tensor is a single ``paddle.to_tensor``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import paddle
+
+from fd_kernels import paged_attention as pa
+
+if TYPE_CHECKING:
+    from fd_core.outputs import ScheduledRequest
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """What the paged-attention kernel and the model need to run one step.
+
+    Host arrays describe the batch; the ``paddle.Tensor`` fields are exactly what the
+    reference kernel (:mod:`fd_kernels.paged_attention`) reads.
+    """
+
+    num_tokens: int                      # T = sum(num_new_tokens)
+    num_decode: int                      # rows (= tokens) with one new token; they come first
+    block_size: int                      # tokens per KV block
+    starts: np.ndarray                   # int64 [R]: position of each row's first new token
+    num_new_tokens: np.ndarray           # int64 [R]: tokens each row computes this step
+    context_lens: np.ndarray             # int64 [R]: starts + num_new_tokens
+    block_tables: np.ndarray             # int64 [R, max blocks used]: padded with block 0
+    positions: np.ndarray                # int64 [T]: position of every new token
+    slot_mapping: np.ndarray             # int64 [T]: block * block_size + offset of each token
+    sample_indices: paddle.Tensor        # int64 [S]: last token of each sampling row
+    write_index: paddle.Tensor           # int64 [T * num_kv_heads]: see pa.write_index
+    decode_index: paddle.Tensor | None   # int64: pa.gather_index of the decode rows
+    decode_mask: paddle.Tensor | None    # [num_decode, num_heads, L] additive mask
+    prefill: tuple[pa.PrefillChunk, ...]  # one per multi-token row, in token order
+
+    def __repr__(self) -> str:
+        return (f"AttentionMetadata(tokens={self.num_tokens}, rows={len(self.starts)}, "
+                f"decode={self.num_decode}, prefill={len(self.prefill)})")
+
+
+def order_rows(rows: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The rows in step order: single-token rows first, otherwise as given."""
+    return sorted(rows, key=lambda row: row.num_new_tokens != 1)
+
+
+def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: int,
+                             num_blocks: int, num_heads: int, num_kv_heads: int,
+                             dtype: str = "float32") -> AttentionMetadata:
+    """Build the metadata for ``rows``, already in :func:`order_rows` order.
+
+    Raises ``ValueError`` when a row has no new tokens, or its block table is too short for
+    its context or names a block outside ``[0, num_blocks)`` (reading it would touch memory
+    outside the cache).
+    """
+    starts = np.fromiter((row.start for row in rows), np.int64, len(rows))
+    new = np.fromiter((row.num_new_tokens for row in rows), np.int64, len(rows))
+    if new.min() < 1:
+        raise ValueError(f"every scheduled row needs num_new_tokens >= 1, got {new.tolist()}")
+    assert np.all(np.diff((new != 1).astype(np.int8)) >= 0), "rows not in order_rows order"
+    context = starts + new
+    needed = -(-context // block_size)
+    tables = np.zeros((len(rows), int(needed.max())), np.int64)
+    for i, row in enumerate(rows):
+        if len(row.block_table) < needed[i]:
+            raise ValueError(f"request {row.request.request_id!r}: {len(row.block_table)} KV "
+                             f"blocks cannot hold {context[i]} tokens at block_size={block_size}")
+        tables[i, :needed[i]] = row.block_table[:needed[i]]
+    if tables.min() < 0 or tables.max() >= num_blocks:
+        raise ValueError(f"block table entry outside [0, {num_blocks}): "
+                         f"min {tables.min()}, max {tables.max()}")
+
+    ends = np.cumsum(new)
+    begins = ends - new
+    row_of_token = np.repeat(np.arange(len(rows)), new)
+    positions = np.arange(int(ends[-1]), dtype=np.int64) - begins[row_of_token] + starts[row_of_token]
+    slot_mapping = (tables[row_of_token, positions // block_size] * block_size
+                    + positions % block_size)
+    samples = np.array([ends[i] - 1 for i, row in enumerate(rows) if row.sample], np.int64)
+
+    num_decode = int(np.count_nonzero(new == 1))
+    decode_index = decode_mask = None
+    if num_decode:
+        width = int(needed[:num_decode].max())
+        decode_index = paddle.to_tensor(pa.gather_index(tables[:num_decode, :width], num_kv_heads))
+        decode_mask = paddle.to_tensor(pa.decode_mask(context[:num_decode], width * block_size,
+                                                                     num_heads),
+                                       dtype=dtype)
+    prefill = tuple(
+        pa.PrefillChunk(
+            begin=int(begins[i]), end=int(ends[i]),
+            gather_index=paddle.to_tensor(pa.gather_index(tables[i:i + 1, :needed[i]], num_kv_heads)),
+            mask=paddle.to_tensor(pa.prefill_mask(int(starts[i]), int(new[i]),
+                                                  int(needed[i]) * block_size), dtype=dtype),
+        )
+        for i in range(num_decode, len(rows))
+    )
+    return AttentionMetadata(
+        num_tokens=int(ends[-1]), num_decode=num_decode, block_size=block_size,
+        starts=starts, num_new_tokens=new, context_lens=context, block_tables=tables,
+        positions=positions, slot_mapping=slot_mapping,
+        sample_indices=paddle.to_tensor(samples),
+        write_index=paddle.to_tensor(pa.write_index(slot_mapping, block_size, num_kv_heads)),
+        decode_index=decode_index, decode_mask=decode_mask, prefill=prefill,
+    )

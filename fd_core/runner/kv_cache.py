@@ -1,0 +1,51 @@
+"""Allocation of the paged KV cache: one K and one V tensor per layer.
+
+Each tensor is ``[num_blocks, num_kv_heads, block_size, head_dim]`` (the layout
+:mod:`fd_kernels.paged_attention` reads; see its docstring for why heads come before
+positions). Block ``b`` of every layer together holds the K/V of ``block_size`` token
+positions of one request, so a block id from the resource manager indexes all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import paddle
+
+if TYPE_CHECKING:
+    from fd_core.model.arch import LlamaArchConfig
+
+#: Bytes per element of the cache dtypes we allocate.
+_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKVCache:
+    """The K and V cache tensors of one layer, updated in place by the attention kernel."""
+
+    key: paddle.Tensor    # [num_blocks, num_kv_heads, block_size, head_dim]
+    value: paddle.Tensor  # same shape and dtype as key
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"KV cache dtype {dtype!r} is not supported; use one of {sorted(_DTYPE_BYTES)}")
+
+
+def kv_cache_bytes_per_block(arch: LlamaArchConfig, block_size: int, dtype: str = "float32") -> int:
+    """Bytes one block takes across all layers, K and V: what the platform divides free memory by."""
+    _check_dtype(dtype)
+    per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
+    return per_token * block_size * _DTYPE_BYTES[dtype]
+
+
+def allocate_kv_caches(arch: LlamaArchConfig, *, num_blocks: int, block_size: int,
+                       dtype: str = "float32") -> list[LayerKVCache]:
+    """Zero-filled caches for every layer of ``arch`` on paddle's current device."""
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+    _check_dtype(dtype)
+    shape = [num_blocks, arch.num_key_value_heads, block_size, arch.head_dim]
+    return [LayerKVCache(key=paddle.zeros(shape, dtype=dtype), value=paddle.zeros(shape, dtype=dtype))
+            for _ in range(arch.num_hidden_layers)]

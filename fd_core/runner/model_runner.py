@@ -1,0 +1,99 @@
+"""Execution of one step plan: lay out the batch, run the model over the paged cache, sample.
+
+The runner owns the model weights and the KV cache tensors; which blocks belong to which
+request is decided elsewhere (the resource manager) and arrives in each row's block table.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import paddle
+
+from fd_core.model.llama import LlamaForCausalLM
+from fd_core.outputs import StepResult
+from fd_core.runner.attention_metadata import build_attention_metadata, order_rows
+from fd_core.runner.kv_cache import allocate_kv_caches
+
+if TYPE_CHECKING:
+    from fd_core.model.arch import LlamaArchConfig
+    from fd_core.outputs import SampledToken, StepPlan
+    from fd_core.request import Request
+
+
+class TokenSampler(Protocol):
+    """What the runner needs from a sampler (``fd_core.runner.sampling.Sampler`` is one)."""
+
+    def sample(self, logits: paddle.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """Pick one token per row of float32 ``logits [len(requests), vocab]``."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """Drop any per-request state (seeded generators, penalty counts)."""
+        ...
+
+
+class ModelRunner:
+    """Runs :class:`StepPlan` batches of a Llama-family model on one paddle device.
+
+    ``device`` becomes paddle's current device and ``num_threads`` (default: the CPUs this
+    process may run on) its CPU math thread count; both are process-wide, as a runner owns
+    its worker process. ``kv_caches`` is public so connectors can read and fill blocks.
+    """
+
+    def __init__(self, arch: LlamaArchConfig, weights: Mapping[str, np.ndarray], *, num_blocks: int,
+                 block_size: int, dtype: str = "float32", device: str = "cpu",
+                 sampler: TokenSampler, num_threads: int | None = None) -> None:
+        paddle.set_device(device)
+        # Paddle's CPU kernels default to one thread; decode matmuls scale with cores.
+        paddle.base.core.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        self.arch = arch
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.sampler = sampler
+        self.model = LlamaForCausalLM(arch, weights, dtype=dtype)
+        self.kv_caches = allocate_kv_caches(arch, num_blocks=num_blocks, block_size=block_size,
+                                            dtype=dtype)
+
+    @paddle.no_grad()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Compute every scheduled row and sample a token for each row with ``sample`` set.
+
+        Raises ``ValueError`` (before touching the cache) when a row's positions exceed the
+        model's context or its block table cannot hold them.
+        """
+        if plan.is_empty:
+            return StepResult.make_empty()
+        rows = order_rows(plan.scheduled)
+        for row in rows:
+            end = row.start + row.num_new_tokens
+            if end > self.arch.max_position_embeddings:
+                raise ValueError(f"request {row.request.request_id!r} would hold {end} tokens, "
+                                 f"beyond max_position_embeddings="
+                                 f"{self.arch.max_position_embeddings}")
+        attn = build_attention_metadata(rows, block_size=self.block_size,
+                                        num_blocks=self.num_blocks,
+                                        num_heads=self.arch.num_attention_heads,
+                                        num_kv_heads=self.arch.num_key_value_heads,
+                                        dtype=self.dtype)
+        token_ids = np.fromiter(
+            (t for row in rows
+             for t in row.request.token_slice(row.start, row.start + row.num_new_tokens)),
+            np.int64, attn.num_tokens)
+        logits = self.model.forward(paddle.to_tensor(token_ids), paddle.to_tensor(attn.positions),
+                                    attn, self.kv_caches)
+        requests = [row.request for row in rows if row.sample]
+        if not requests:
+            return StepResult.make_empty()
+        sampled = self.sampler.sample(logits, requests)
+        return StepResult(sampled={req.request_id: token
+                                   for req, token in zip(requests, sampled, strict=True)})
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget finished or aborted requests' sampler state (their blocks are freed elsewhere)."""
+        for request_id in request_ids:
+            self.sampler.forget(request_id)
