@@ -132,7 +132,11 @@ class EngineCore:
                 if not self.resource_manager.has_unfinished() and not self._aborts:
                     # idle: block until a request arrives or wake() is called
                     self._admit(self.scheduler.get_requests(self._room(), timeout=None))
-                self.step()
+                try:
+                    self.step()
+                except Exception:  # a plugin bug must not strand clients: fail what is in flight
+                    log.exception("engine step failed; failing %d in-flight requests", len(self._in_engine))
+                    self.scheduler.put_results(self._fail_in_flight("engine step failed; see the server log"))
         finally:
             self.hooks.fd_engine_stopped()
 
@@ -188,6 +192,18 @@ class EngineCore:
             n_prompt = row.request.num_prompt_tokens
             self._num_prompt_tokens += max(0, min(row.start + row.num_new_tokens, n_prompt) - row.start)
         self._num_generated_tokens += len(result.sampled)
+
+    def _fail_in_flight(self, error: str) -> list[RequestOutput]:
+        outputs = []
+        for request in list(self._in_engine.values()):
+            try:
+                outputs.append(self._finish(request, FinishReason.ERROR, error))
+            except Exception:  # the plugin that failed may fail again; still drop the request
+                log.exception("could not finish %r cleanly", request)
+                self._in_engine.pop(request.request_id, None)
+                outputs.append(RequestOutput(request.request_id, finished=True, finish_reason=FinishReason.ERROR,
+                                             error=error, num_prompt_tokens=request.num_prompt_tokens))
+        return outputs
 
     def _apply_aborts(self) -> list[RequestOutput]:
         outputs = []

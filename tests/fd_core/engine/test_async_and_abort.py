@@ -83,3 +83,29 @@ def test_leaving_a_stream_early_aborts_it(async_llm):
     asyncio.run(main())
     free, total = _free(async_llm)
     assert free == total and not async_llm.engine.has_unfinished()
+
+
+def test_a_failing_step_fails_in_flight_requests_instead_of_hanging(async_llm):
+    runner = async_llm.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device fell over")
+        return real_execute(plan)
+
+    runner.execute = flaky
+
+    async def main():
+        outs = []
+        async for out in async_llm.generate([5] * 10, SamplingParams(max_tokens=50, ignore_eos=True)):
+            outs.append(out)
+        return outs[-1]
+
+    last = asyncio.run(main())
+    assert last.finished and last.finish_reason is FinishReason.ERROR
+    assert "device fell over" in last.error
+    free, total = _free(async_llm)
+    assert free == total
