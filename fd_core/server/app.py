@@ -1,0 +1,115 @@
+"""Assemble the FastAPI application: shared state, start-up and shutdown of the engine, error handlers.
+
+The HTTP server answers as soon as it is bound; the engine process and the front end's
+tokenizer load in the background (``/health`` is 503 "starting" until both are ready). A
+start-up failure is reported through ``on_fatal``, which stops the server with an error.
+Every error leaves as OpenAI's error body, including FastAPI's own validation errors (400,
+not 422) and unknown routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from fd_core.errors import FdError
+from fd_core.server.engine_client import EngineClient
+from fd_core.server.http_errors import ApiError, from_exception, from_validation_errors
+from fd_core.server.metrics import ServerMetrics
+from fd_core.server.prepare import Limits
+from fd_core.server.routes import router
+from fd_core.server.state import ServerState
+
+if TYPE_CHECKING:
+    from fd_core.config import FdConfig
+
+log = logging.getLogger(__name__)
+
+
+def create_app(config: FdConfig, *, on_fatal: Callable[[str], None], log_level: str = "INFO") -> FastAPI:
+    """The application for ``config``; ``on_fatal(message)`` is called if the engine cannot start."""
+    metrics = ServerMetrics()
+    client = EngineClient(config, log_level=log_level, on_finished=metrics.observe)
+    state = ServerState(config=config, model_name=config.model.served_name or config.model.source,
+                        client=client, metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starter = asyncio.create_task(_start(state, on_fatal), name="fd-start")
+        try:
+            yield
+        finally:
+            starter.cancel()
+            await asyncio.gather(starter, return_exceptions=True)
+            await client.shutdown()
+
+    app = FastAPI(title="fd-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.fd = state
+    app.include_router(router)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(FdError, _fd_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    return app
+
+
+async def _start(state: ServerState, on_fatal: Callable[[str], None]) -> None:
+    """Fetch the model if it is an alias, then start the engine and load the tokenizer side by side."""
+    from fd_core.model.default_model import MODEL_ALIASES, resolve_alias
+    from fd_core.model.loader import load_tokenizer
+
+    loop = asyncio.get_running_loop()
+    source = state.config.model.source
+    try:
+        if source in MODEL_ALIASES:  # download once here rather than in both processes at once
+            await loop.run_in_executor(None, resolve_alias, source)
+        tokenizer = loop.run_in_executor(None, load_tokenizer, source)
+        await state.client.start(timeout=state.config.server.engine_start_timeout_s)
+        state.tokenizer = await tokenizer
+    except FdError as exc:
+        on_fatal(str(exc))
+        return
+    except Exception as exc:  # a bug, but the server must not sit there unhealthy forever
+        log.exception("start-up failed")
+        on_fatal(f"start-up failed: {type(exc).__name__}: {exc}")
+        return
+    state.limits = Limits.from_info(state.client.info)
+    log.info("serving %s (max_model_len %d)", state.model_name, state.limits.max_model_len)
+
+
+def _respond(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return _respond(exc)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return _respond(from_validation_errors(list(exc.errors())))
+
+
+async def _fd_error(request: Request, exc: Exception) -> JSONResponse:
+    return _respond(from_exception(exc))
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return _respond(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind))
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error serving %s %s", request.method, request.url.path)
+    return _respond(from_exception(exc))

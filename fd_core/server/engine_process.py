@@ -1,0 +1,152 @@
+"""The engine process: build the EngineCore, run its loop, and serve it over two zmq sockets.
+
+Started by :class:`fd_core.server.engine_client.EngineClient` with the ``spawn`` start method.
+Three threads share the EngineCore (whose front door is thread-safe):
+
+- the main thread runs :meth:`EngineCore.run` until told to stop;
+- the input thread reads ADD / ABORT / STATS / SHUTDOWN messages and answers ADD with ACK or
+  REJECT; it also stops everything when the parent process is gone;
+- the output thread sends each ``get_results()`` batch as one OUTPUTS message.
+
+Both sender threads use the one output socket under a lock (zmq sockets are not thread-safe).
+SIGINT and SIGTERM are ignored here: the front end decides when the engine stops (it drains
+in-flight requests first), and kills it only as a last resort.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import traceback
+from typing import TYPE_CHECKING, Any, Final
+
+from fd_core.errors import FdError, QueueFullError, RequestError
+from fd_core.server import wire
+
+if TYPE_CHECKING:
+    import zmq
+
+    from fd_core.config import FdConfig
+    from fd_core.engine.core import EngineCore
+
+log = logging.getLogger(__name__)
+
+#: How often the input and output threads re-check for shutdown while idle, in milliseconds.
+IDLE_CHECK_MS: Final = 500
+
+
+def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_level: str) -> None:
+    """Process target: build the engine, announce READY (or FAILED) and serve until SHUTDOWN."""
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
+    parent_pid = os.getppid()
+    context = zmq.Context()
+    output = context.socket(zmq.PUSH)
+    output.setsockopt(zmq.LINGER, 2000)
+    output.connect(output_addr)
+    sender = _Sender(output)
+    try:
+        engine = _build(config)
+    except BaseException as exc:
+        sender.send([wire.FAILED, _describe(exc)])
+        output.close()
+        context.term()
+        raise SystemExit(1) from None
+    input_ = context.socket(zmq.PULL)
+    input_.setsockopt(zmq.LINGER, 0)
+    input_.connect(input_addr)
+    sender.send([wire.READY, {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
+                              "vocab_size": engine.runner.arch.vocab_size, "num_blocks": engine.limits.num_blocks,
+                              "block_size": engine.limits.block_size}])
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=_input_loop, args=(engine, input_, sender, stop, parent_pid), name="fd-engine-input"),
+        threading.Thread(target=_output_loop, args=(engine, sender, stop), name="fd-engine-output"),
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        engine.run(stop)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        input_.close()
+        output.close()
+        context.term()
+
+
+def _build(config: FdConfig) -> EngineCore:
+    from fd_core.engine.builder import build_engine
+
+    return build_engine(config)
+
+
+def _describe(exc: BaseException) -> str:
+    """A start-up failure as one message: FdErrors name their cause; anything else is a bug."""
+    if isinstance(exc, FdError):
+        return str(exc)
+    return "".join(traceback.format_exception(exc)).rstrip()
+
+
+class _Sender:
+    """The output socket, shared by the input and output threads."""
+
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        self._socket = socket
+        self._lock = threading.Lock()
+
+    def send(self, message: list[Any]) -> None:
+        data = wire.pack(message)
+        with self._lock:
+            self._socket.send(data)
+
+
+def _input_loop(engine: EngineCore, socket: zmq.Socket[bytes], sender: _Sender, stop: threading.Event,
+                parent_pid: int) -> None:
+    while not stop.is_set():
+        if not socket.poll(IDLE_CHECK_MS):
+            if os.getppid() != parent_pid:  # the front end died without saying SHUTDOWN
+                log.warning("front end process %d is gone; stopping the engine", parent_pid)
+                break
+            continue
+        message = wire.unpack(socket.recv())
+        kind = message[0]
+        if kind == wire.ADD:
+            _add(engine, message, sender)
+        elif kind == wire.ABORT:
+            for request_id in message[1]:
+                engine.abort(request_id)
+        elif kind == wire.STATS:
+            sender.send([wire.STATS_REPLY, message[1], dataclasses.asdict(engine.stats())])
+        elif kind == wire.SHUTDOWN:
+            break
+        else:
+            log.error("ignoring a message of unknown kind %r", kind)
+    stop.set()
+    engine.wake()
+
+
+def _add(engine: EngineCore, message: list[Any], sender: _Sender) -> None:
+    request = wire.decode_request(message)
+    try:
+        engine.add_request(request)
+    except RequestError as exc:
+        sender.send([wire.REJECT, request.request_id, wire.INVALID, exc.field, str(exc)])
+    except QueueFullError as exc:
+        sender.send([wire.REJECT, request.request_id, wire.QUEUE_FULL, None, str(exc)])
+    else:
+        sender.send([wire.ACK, request.request_id])
+
+
+def _output_loop(engine: EngineCore, sender: _Sender, stop: threading.Event) -> None:
+    while not stop.is_set():
+        outputs = engine.get_results(timeout=IDLE_CHECK_MS / 1000)
+        if outputs:
+            sender.send([wire.OUTPUTS, [wire.encode_output(o) for o in outputs]])

@@ -1,0 +1,103 @@
+"""The Prometheus metrics of ``GET /metrics``, in a registry of their own.
+
+Two kinds of figures: the engine's own gauges and totals (running/waiting requests, KV blocks,
+prefix-cache lookups, preemptions, token totals), copied from an EngineStats snapshot taken
+when ``/metrics`` is scraped; and per-request latency histograms observed here from each
+request's final output (TTFT, TPOT, end-to-end, queue time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from fd_core.outputs import RequestOutput
+
+#: Content type of the exposition format.
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS: Final = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                           20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS: Final = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                         2.5, 5.0)
+
+
+class _EngineCollector(Collector):
+    """Exposes the latest EngineStats snapshot (a dict with ``kv`` nested), or only fd_engine_up 0."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.snapshot
+        yield GaugeMetricFamily("fd_engine_up", "1 when the engine process is serving.", value=int(stats is not None))
+        if stats is None:
+            return
+        kv = stats["kv"]
+        yield GaugeMetricFamily("fd_num_requests_running", "Requests holding KV blocks now.", value=kv["num_running"])
+        yield GaugeMetricFamily("fd_num_requests_waiting", "Requests queued in the scheduler or resource manager.",
+                                value=kv["num_waiting"] + stats["num_waiting_in_scheduler"])
+        yield GaugeMetricFamily("fd_kv_cache_blocks_total", "KV cache blocks in the pool.", value=kv["num_blocks"])
+        yield GaugeMetricFamily("fd_kv_cache_blocks_free", "KV cache blocks free now.", value=kv["num_free_blocks"])
+        yield GaugeMetricFamily("fd_kv_cache_blocks_used", "KV cache blocks in use now.",
+                                value=kv["num_blocks"] - kv["num_free_blocks"])
+        yield CounterMetricFamily("fd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=kv["prefix_cache_queries"])
+        yield CounterMetricFamily("fd_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=kv["prefix_cache_hits"])
+        yield CounterMetricFamily("fd_num_preemptions", "Requests preempted (blocks taken back).",
+                                  value=kv["num_preemptions"])
+        yield CounterMetricFamily("fd_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
+                                  value=stats["num_prompt_tokens"])
+        yield CounterMetricFamily("fd_generation_tokens", "Tokens generated.", value=stats["num_generated_tokens"])
+        yield CounterMetricFamily("fd_engine_steps", "Engine steps run.", value=stats["num_steps"])
+
+
+class ServerMetrics:
+    """The server's registry; :meth:`observe` each final output, :meth:`render` on scrape."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._engine = _EngineCollector()
+        self.registry.register(self._engine)
+        r = self.registry
+        self.ttft = Histogram("fd_time_to_first_token_seconds", "Arrival to first output token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("fd_time_per_output_token_seconds", "Mean time per output token after the first.",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("fd_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.queue_time = Histogram("fd_request_queue_time_seconds", "Arrival to first scheduled.",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("fd_request_finished", "Requests finished, by finish reason.", ["finish_reason"],
+                                registry=r)
+        self.request_prompt_tokens = Counter("fd_request_prompt_tokens", "Prompt tokens of finished requests.",
+                                             registry=r)
+        self.request_generation_tokens = Counter("fd_request_generation_tokens",
+                                                 "Output tokens of finished requests.", registry=r)
+        self.http_in_flight = Gauge("fd_http_requests_in_flight", "Generation HTTP requests being served.",
+                                    registry=r)
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record a request's final output."""
+        reason = output.finish_reason.value if output.finish_reason is not None else "unknown"
+        self.finished.labels(finish_reason=reason).inc()
+        self.request_prompt_tokens.inc(output.num_prompt_tokens)
+        self.request_generation_tokens.inc(output.num_output_tokens)
+        m = output.metrics
+        if m is None:
+            return
+        for histogram, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e),
+                                 (self.queue_time, m.queue_time)):
+            if value is not None:
+                histogram.observe(value)
+
+    def render(self, engine_stats: dict[str, Any] | None) -> bytes:
+        """The exposition text, with ``engine_stats`` (None when the engine is not up)."""
+        self._engine.snapshot = engine_stats
+        return generate_latest(self.registry)

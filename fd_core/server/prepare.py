@@ -1,0 +1,137 @@
+"""Turn a validated OpenAI request body into engine requests: prompt ids, sampling params, limits.
+
+Everything a request can get wrong is checked here, before anything reaches the engine, and
+raised as :class:`RequestError` naming the field (the engine validates again; its rejections
+name the field the same way). Choice ``i`` of prompt ``p`` becomes the engine request
+``{response_id}-{p * n + i}``; with a ``seed`` and ``n`` > 1, choice ``i`` uses ``seed + i``
+so the choices differ but the response stays reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from fd_core.errors import RequestError
+from fd_core.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from fd_core.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+#: Most engine requests (prompts x n) one HTTP request may create.
+MAX_CHOICES: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the engine announced in READY."""
+
+    max_model_len: int   # most tokens (prompt + output) of one request
+    vocab_size: int      # token ids must be below this
+    kv_tokens: int       # KV cache capacity in tokens (num_blocks * block_size)
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> Limits:
+        return cls(info["max_model_len"], info["vocab_size"], info["num_blocks"] * info["block_size"])
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One prompt of a request: its token ids and, when it came as text, the text (for ``echo``)."""
+
+    token_ids: list[int]
+    text: str | None
+
+    def __repr__(self) -> str:  # keeps prompts out of logs
+        return f"Prompt(tokens={len(self.token_ids)})"
+
+
+def completion_prompts(body: CompletionRequest, tokenizer: Any) -> list[Prompt]:
+    """The prompts of a /v1/completions body (text, token ids, or a list of either)."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]  # type: ignore[list-item]
+    else:
+        items = list(prompt)  # type: ignore[arg-type]
+    if not items:
+        raise RequestError("prompt", "prompt must not be empty")
+    return [Prompt(tokenizer.encode(item), item) if isinstance(item, str) else Prompt(list(item), None)
+            for item in items]
+
+
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Any) -> Prompt:
+    """Render the messages with the model's chat template (RequestError on ``messages``)."""
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+    return Prompt(tokenizer.encode(text), text)
+
+
+def build_requests(body: _SamplingFields, prompts: list[Prompt], *, max_tokens: int | None,
+                   max_tokens_field: str, logprobs: int | None, logprobs_field: str, limits: Limits,
+                   eos_token_ids: tuple[int, ...], response_id: str) -> list[Request]:
+    """One engine request per (prompt, choice), in choice-index order. Raises RequestError."""
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise RequestError("n", f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} choices; "
+                           f"at most {MAX_CHOICES} per request")
+    base = _sampling_params(body, max_tokens=max(1, body.min_tokens) if max_tokens is None else max_tokens,
+                            logprobs=logprobs, renames={"max_tokens": max_tokens_field, "logprobs": logprobs_field})
+    requests = []
+    for p_index, prompt in enumerate(prompts):
+        field = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
+        n_prompt = len(prompt.token_ids)
+        _check_prompt(prompt, field, limits)
+        wanted = max_tokens if max_tokens is not None else min(limits.max_model_len, limits.kv_tokens) - n_prompt
+        if wanted < max(1, base.min_tokens):
+            raise RequestError(field, f"{field} has {n_prompt} tokens, which leaves room for only {wanted} output "
+                               f"tokens (min_tokens is {base.min_tokens}, the KV cache holds {limits.kv_tokens})")
+        if n_prompt + wanted > limits.max_model_len:
+            raise RequestError(max_tokens_field, (
+                f"{field} ({n_prompt} tokens) + {max_tokens_field} ({wanted}) = {n_prompt + wanted} exceeds "
+                f"max_model_len ({limits.max_model_len}); set {max_tokens_field} to at most "
+                f"{limits.max_model_len - n_prompt}"))
+        for choice in range(body.n):
+            seed = None if body.seed is None else body.seed + choice
+            params = dataclasses.replace(base, max_tokens=wanted, seed=seed, stop=list(base.stop),
+                                         stop_token_ids=list(base.stop_token_ids))
+            requests.append(Request(request_id=f"{response_id}-{p_index * body.n + choice}",
+                                    prompt_token_ids=prompt.token_ids, sampling_params=params,
+                                    eos_token_ids=eos_token_ids, prompt=prompt.text))
+    return requests
+
+
+def _check_prompt(prompt: Prompt, field: str, limits: Limits) -> None:
+    n_prompt = len(prompt.token_ids)
+    if n_prompt == 0:
+        raise RequestError(field, f"{field} is empty (0 tokens)")
+    if n_prompt >= limits.max_model_len:
+        raise RequestError(field, (
+            f"{field} has {n_prompt} tokens, but max_model_len is {limits.max_model_len} (prompt + output); "
+            f"the prompt must be at most {limits.max_model_len - 1} tokens"))
+    bad = next((t for t in prompt.token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise RequestError(field, f"token id {bad} in {field} is outside the vocabulary (0..{limits.vocab_size - 1})")
+
+
+def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+                     renames: dict[str, str]) -> SamplingParams:
+    """Validated parameters (``max_tokens`` is replaced per prompt when it was not given)."""
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    params = SamplingParams(
+        max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=pick(body.temperature, 1.0),
+        top_k=pick(body.top_k, 0), top_p=pick(body.top_p, 1.0), min_p=pick(body.min_p, 0.0),
+        repetition_penalty=pick(body.repetition_penalty, 1.0), presence_penalty=pick(body.presence_penalty, 0.0),
+        frequency_penalty=pick(body.frequency_penalty, 0.0), seed=body.seed, stop=body.stop_list(),
+        stop_token_ids=list(body.stop_token_ids or ()), include_stop_str_in_output=body.include_stop_str_in_output,
+        ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n)
+    try:
+        params.validate()
+    except ValueError as exc:
+        name, _, rule = str(exc).partition(": ")
+        field = renames.get(name, name)
+        raise RequestError(field, f"{field}: {rule}") from exc
+    return params

@@ -1,0 +1,166 @@
+"""Render engine outputs as OpenAI response bodies and stream chunks (completions and chat).
+
+A :class:`Renderer` belongs to one HTTP response. Choices are numbered like the engine requests
+of :mod:`fd_core.server.prepare` (``prompt_index * n + choice``). ``usage.prompt_tokens``
+counts each prompt once (as OpenAI does with ``n`` > 1); ``completion_tokens`` sums every
+choice's output tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fd_core.engine.results import CompletionResult
+    from fd_core.outputs import RequestOutput, SampledToken
+    from fd_core.server.prepare import Prompt
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Renderer(ABC):
+    """Builds one response's JSON; ``logprobs`` says whether choices carry log-probabilities."""
+
+    def __init__(self, *, response_id: str, model: str, tokenizer: Any, prompts: list[Prompt], n: int,
+                 logprobs: bool) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.n = n
+        self.logprobs = logprobs
+        self.created = int(time.time())
+        self.num_choices = len(prompts) * n
+        self.prompt_tokens = sum(len(p.token_ids) for p in prompts)
+
+    def index_of(self, request_id: str) -> int:
+        return int(request_id.rsplit("-", 1)[1])
+
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.n]
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @abstractmethod
+    def start_chunks(self) -> list[dict[str, Any]]:
+        """Chunks sent before any output (chat: the assistant role; completions: the echoed prompt)."""
+
+    @abstractmethod
+    def delta_chunk(self, output: RequestOutput, usage_so_far: dict[str, int] | None) -> dict[str, Any]:
+        """The chunk for one engine delta."""
+
+    @abstractmethod
+    def body(self, results: list[CompletionResult]) -> dict[str, Any]:
+        """The non-streaming response, ``results`` in choice order."""
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        """The final chunk of ``stream_options.include_usage``: no choices, the usage."""
+        return {**self._chunk_head(), "choices": [], "usage": usage(self.prompt_tokens, completion_tokens)}
+
+    @abstractmethod
+    def _chunk_head(self) -> dict[str, Any]:
+        """``id``, ``object``, ``created`` and ``model`` of a chunk."""
+
+
+class CompletionRenderer(Renderer):
+    """``text_completion`` objects; logprobs in the legacy shape (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    def __init__(self, *, echo: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.echo = echo
+        self._offsets = [len(self._echo_text(i)) for i in range(self.num_choices)]  # stream text_offset per choice
+
+    def _echo_text(self, index: int) -> str:
+        if not self.echo:
+            return ""
+        prompt = self.prompt_of(index)
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+
+    def _chunk_head(self) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "text_completion", "created": self.created, "model": self.model}
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        if not self.echo:
+            return []
+        return [{**self._chunk_head(), "choices": [{"index": i, "text": self._echo_text(i), "logprobs": None,
+                                                    "finish_reason": None}]}
+                for i in range(self.num_choices)]
+
+    def delta_chunk(self, output: RequestOutput, usage_so_far: dict[str, int] | None) -> dict[str, Any]:
+        index = self.index_of(output.request_id)
+        logprobs = None
+        if self.logprobs:
+            logprobs = self._logprobs(output.new_logprobs, self._offsets[index])
+            self._offsets[index] += sum(len(t) for t in logprobs["tokens"])
+        reason = output.finish_reason.value if output.finished and output.finish_reason is not None else None
+        chunk = {**self._chunk_head(), "choices": [{"index": index, "text": output.new_text, "logprobs": logprobs,
+                                                    "finish_reason": reason}]}
+        if usage_so_far is not None:
+            chunk["usage"] = usage_so_far
+        return chunk
+
+    def body(self, results: list[CompletionResult]) -> dict[str, Any]:
+        choices = []
+        for index, result in enumerate(results):
+            echo = self._echo_text(index)
+            logprobs = self._logprobs(result.logprobs, len(echo)) if self.logprobs else None
+            reason = result.finish_reason.value if result.finish_reason is not None else None
+            choices.append({"index": index, "text": echo + result.text, "logprobs": logprobs, "finish_reason": reason})
+        return {**self._chunk_head(), "choices": choices,
+                "usage": usage(self.prompt_tokens, sum(len(r.token_ids) for r in results))}
+
+    def _logprobs(self, tokens: list[SampledToken], offset: int) -> dict[str, Any]:
+        texts = [self.token_text(t.token_id) for t in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{self.token_text(i): lp for i, lp in t.top_logprobs or ()} for t in tokens],
+                "text_offset": offsets}
+
+
+class ChatRenderer(Renderer):
+    """``chat.completion`` / ``chat.completion.chunk`` objects; logprobs as ``{"content": [...]}``."""
+
+    def _chunk_head(self) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model}
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        return [{**self._chunk_head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]}
+                for i in range(self.num_choices)]
+
+    def delta_chunk(self, output: RequestOutput, usage_so_far: dict[str, int] | None) -> dict[str, Any]:
+        reason = output.finish_reason.value if output.finished and output.finish_reason is not None else None
+        delta = {"content": output.new_text} if output.new_text or not output.finished else {}
+        logprobs = self._logprobs(output.new_logprobs) if self.logprobs else None
+        chunk = {**self._chunk_head(), "choices": [{"index": self.index_of(output.request_id), "delta": delta,
+                                                    "logprobs": logprobs, "finish_reason": reason}]}
+        if usage_so_far is not None:
+            chunk["usage"] = usage_so_far
+        return chunk
+
+    def body(self, results: list[CompletionResult]) -> dict[str, Any]:
+        choices = [{"index": index, "message": {"role": "assistant", "content": result.text},
+                    "logprobs": self._logprobs(result.logprobs) if self.logprobs else None,
+                    "finish_reason": result.finish_reason.value if result.finish_reason is not None else None}
+                   for index, result in enumerate(results)]
+        return {"id": self.response_id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage(self.prompt_tokens, sum(len(r.token_ids) for r in results))}
+
+    def _logprobs(self, tokens: list[SampledToken]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs or ()]} for t in tokens],
+                "refusal": None}

@@ -1,0 +1,258 @@
+"""The HTTP endpoints: completions, chat completions, models, health and metrics.
+
+A generation request is validated and turned into engine requests (:mod:`.prepare`), takes a
+concurrency slot, is queued in the engine (all its choices or none), then either streams one
+SSE event per engine delta or collects the whole answer. A client that goes away aborts its
+requests: a streaming response is cancelled by Starlette when the client disconnects, and a
+non-streaming one is watched with ``request.is_disconnected()`` while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from fd_core.engine.results import CompletionResult
+from fd_core.errors import EngineDeadError, FdError
+from fd_core.request import FinishReason
+from fd_core.server import sse
+from fd_core.server.http_errors import ApiError, bad_request, from_exception, from_validation_errors
+from fd_core.server.metrics import CONTENT_TYPE
+from fd_core.server.prepare import build_requests, chat_prompt, completion_prompts
+from fd_core.server.protocol import ChatCompletionRequest, CompletionRequest
+from fd_core.server.render import ChatRenderer, CompletionRenderer, usage
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
+
+    from fd_core.request import Request as EngineRequest
+    from fd_core.server.engine_client import RequestStream
+    from fd_core.server.prepare import Limits
+    from fd_core.server.protocol import StreamOptions
+    from fd_core.server.render import Renderer
+    from fd_core.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+#: How often a non-streaming request checks whether its client is still there, in seconds.
+DISCONNECT_POLL_S: Final = 0.5
+#: Status logged (never seen by anyone) for a request whose client went away (nginx's convention).
+CLIENT_CLOSED_REQUEST: Final = 499
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.fd
+
+
+async def check_api_key(request: Request) -> None:
+    """401 unless the bearer token equals ``server.api_key`` (when one is set)."""
+    key = _state(request).config.server.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    expected = key.get_secret_value().encode()
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected):
+        raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <server.api_key>'",
+                       type="authentication_error", code="invalid_api_key")
+
+
+router = APIRouter()
+api = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 when the engine serves; 503 while starting, draining or after it died."""
+    status, reason = _state(request).status()
+    return JSONResponse({"status": status, "reason": reason}, status_code=200 if status == "ok" else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    stats = None
+    if state.ready:
+        try:
+            stats = await state.client.stats()
+        except (FdError, asyncio.TimeoutError):
+            log.warning("no engine stats for /metrics", exc_info=True)
+    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+@api.get("/models")
+async def models(request: Request) -> JSONResponse:
+    state = _state(request)
+    card: dict[str, Any] = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "fd-engine"}
+    if state.limits is not None:  # vLLM's extension, plus what fd-bench needs to draw token ids
+        card["max_model_len"] = state.limits.max_model_len
+        card["vocab_size"] = state.limits.vocab_size
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@api.post("/completions")
+async def completions(request: Request) -> Response:
+    body = await _parse(request, CompletionRequest)
+    state = _prepare_state(request, body.model)
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (it needs prompt logprobs)", "echo")
+    prompts = completion_prompts(body, state.tokenizer)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = build_requests(body, prompts, max_tokens=body.max_tokens, max_tokens_field="max_tokens",
+                              logprobs=body.logprobs, logprobs_field="logprobs", limits=_limits(state),
+                              eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
+    renderer = CompletionRenderer(response_id=response_id, model=state.model_name, tokenizer=state.tokenizer,
+                                  prompts=prompts, n=body.n, logprobs=body.logprobs is not None, echo=body.echo)
+    return await _generate(request, state, requests, renderer, body.stream, body.stream_options)
+
+
+@api.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    body = await _parse(request, ChatCompletionRequest)
+    state = _prepare_state(request, body.model)
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise bad_request("set max_completion_tokens or max_tokens, not both", "max_tokens")
+    field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    prompt = chat_prompt(body, state.tokenizer)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    requests = build_requests(body, [prompt], max_tokens=max_tokens, max_tokens_field=field, logprobs=logprobs,
+                              logprobs_field="top_logprobs", limits=_limits(state),
+                              eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
+    renderer = ChatRenderer(response_id=response_id, model=state.model_name, tokenizer=state.tokenizer,
+                            prompts=[prompt], n=body.n, logprobs=body.logprobs)
+    return await _generate(request, state, requests, renderer, body.stream, body.stream_options)
+
+
+router.include_router(api)
+
+
+async def _parse(request: Request, model: type[BodyT]) -> BodyT:
+    """The body as ``model``; parsed as JSON whatever the Content-Type says (curl -d sends a form type)."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+def _prepare_state(request: Request, model: str | None) -> ServerState:
+    """The state, once the server can take generation requests and ``model`` is the one served."""
+    state = _state(request)
+    state.check_serving()
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"model {model!r} not found; this server serves {state.model_name!r}",
+                       type="invalid_request_error", param="model", code="model_not_found")
+    return state
+
+
+def _limits(state: ServerState) -> Limits:
+    assert state.limits is not None, "check_serving() lets requests through only once the engine is ready"
+    return state.limits
+
+
+async def _generate(request: Request, state: ServerState, requests: list[EngineRequest], renderer: Renderer,
+                    stream: bool, options: StreamOptions | None) -> Response:
+    state.admit()
+    try:
+        outputs = await state.client.add(requests)
+    except BaseException:
+        state.release()
+        raise
+    if stream:
+        def on_close() -> None:
+            outputs.close()
+            state.release()
+
+        return _EventStream(_events(outputs, renderer, options), on_close=on_close)
+    try:
+        results = await _collect_while_connected(request, outputs, requests)
+    finally:
+        outputs.close()
+        state.release()
+    if results is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    failed = next((r for r in results if r.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)), None)
+    if failed is not None:
+        raise ApiError(500, f"the engine could not complete the request: {failed.error or 'aborted'}",
+                       type="server_error")
+    return JSONResponse(renderer.body(results))
+
+
+async def _collect_while_connected(request: Request, outputs: RequestStream,
+                                   requests: list[EngineRequest]) -> list[CompletionResult] | None:
+    """Every choice's result, or None when the client went away first."""
+    task = asyncio.ensure_future(_collect(outputs, requests))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        task.cancel()
+
+
+async def _collect(outputs: RequestStream, requests: list[EngineRequest]) -> list[CompletionResult]:
+    results = {r.request_id: CompletionResult(r.request_id, r.prompt, r.prompt_token_ids) for r in requests}
+    async for output in outputs:
+        results[output.request_id].add(output)
+    return [results[r.request_id] for r in requests]
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` exactly once when it ends, however it ends.
+
+    (A generator's ``finally`` is not enough: a client that leaves before the first chunk can
+    cancel the response before the generator ever starts.)
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type=sse.MEDIA_TYPE, headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _events(outputs: RequestStream, renderer: Renderer, options: StreamOptions | None) -> AsyncIterator[bytes]:
+    """The SSE body: start chunks, one chunk per delta, the usage chunk, ``[DONE]``.
+
+    An error (engine died, request failed) becomes an error event before ``[DONE]``.
+    Cancellation (client gone) aborts the unfinished requests through ``outputs.close()``.
+    """
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+    completion_tokens: dict[str, int] = {}
+    try:
+        for chunk in renderer.start_chunks():
+            yield sse.event(chunk)
+        async for output in outputs:
+            if output.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                message = f"the engine could not complete the request: {output.error or 'aborted'}"
+                yield sse.event(ApiError(500, message, type="server_error").body())
+                break
+            completion_tokens[output.request_id] = output.num_output_tokens
+            so_far = usage(renderer.prompt_tokens, sum(completion_tokens.values())) if continuous else None
+            yield sse.event(renderer.delta_chunk(output, so_far))
+        else:
+            if include_usage:
+                yield sse.event(renderer.usage_chunk(sum(completion_tokens.values())))
+    except EngineDeadError as exc:
+        yield sse.event(from_exception(exc).body())
+    finally:
+        outputs.close()  # aborts at once on cancellation; _EventStream releases the slot
+    yield sse.DONE

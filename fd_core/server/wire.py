@@ -1,0 +1,95 @@
+"""The wire format between the front end and the engine process: msgpack-packed lists of primitives.
+
+Every message is one list whose first item is its kind. Front end -> engine (one PUSH/PULL pair)::
+
+    [ADD, request_id, prompt_token_ids, sampling_param_values, eos_token_ids, arrival_time]
+    [ABORT, [request_id, ...]]
+    [STATS, nonce]
+    [SHUTDOWN]
+
+Engine -> front end (a second PUSH/PULL pair)::
+
+    [READY, {"model_name", "max_model_len", "vocab_size", "num_blocks", "block_size"}]
+    [FAILED, message]                                  the engine could not start
+    [ACK, request_id]                                  add_request accepted it
+    [REJECT, request_id, kind, field, message]         kind: "invalid" or "queue_full"
+    [OUTPUTS, [output, ...]]                           one batch of get_results()
+    [STATS_REPLY, nonce, {EngineStats as a dict}]
+
+``sampling_param_values`` are :class:`SamplingParams`' fields in declaration order (both ends
+run the same code). An output is ``[request_id, new_token_ids, new_text, logprobs, finished,
+finish_reason, num_prompt_tokens, num_output_tokens, num_cached_tokens, error, metrics]``
+with ``logprobs`` a list of ``[token_id, logprob, [[id, logprob], ...] | None]`` and
+``metrics`` ``[arrival_time, queue_time, ttft, tpot, e2e]`` or None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Final
+
+import msgpack
+
+from fd_core.outputs import RequestMetrics, RequestOutput, SampledToken
+from fd_core.request import FinishReason, Request, SamplingParams
+
+# front end -> engine
+ADD: Final = 0
+ABORT: Final = 1
+STATS: Final = 2
+SHUTDOWN: Final = 3
+# engine -> front end
+READY: Final = 10
+FAILED: Final = 11
+ACK: Final = 12
+REJECT: Final = 13
+OUTPUTS: Final = 14
+STATS_REPLY: Final = 15
+
+#: REJECT kinds.
+INVALID: Final = "invalid"
+QUEUE_FULL: Final = "queue_full"
+
+_SAMPLING_FIELDS: Final = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def pack(message: list[Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    return msgpack.unpackb(data, raw=False)
+
+
+def encode_request(request: Request) -> list[Any]:
+    params = request.sampling_params
+    return [ADD, request.request_id, request.prompt_token_ids, [getattr(params, f) for f in _SAMPLING_FIELDS],
+            list(request.eos_token_ids), request.arrival_time]
+
+
+def decode_request(message: list[Any]) -> Request:
+    _, request_id, prompt_token_ids, values, eos_token_ids, arrival_time = message
+    return Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                   sampling_params=SamplingParams(**dict(zip(_SAMPLING_FIELDS, values, strict=True))),
+                   eos_token_ids=tuple(eos_token_ids), arrival_time=arrival_time)
+
+
+def encode_output(o: RequestOutput) -> list[Any]:
+    logprobs = [[t.token_id, t.logprob, [list(p) for p in t.top_logprobs] if t.top_logprobs is not None else None]
+                for t in o.new_logprobs]
+    m = o.metrics
+    metrics = None if m is None else [m.arrival_time, m.queue_time, m.ttft, m.tpot, m.e2e]
+    reason = None if o.finish_reason is None else o.finish_reason.value
+    return [o.request_id, o.new_token_ids, o.new_text, logprobs, o.finished, reason, o.num_prompt_tokens,
+            o.num_output_tokens, o.num_cached_tokens, o.error, metrics]
+
+
+def decode_output(item: list[Any]) -> RequestOutput:
+    (request_id, token_ids, text, logprobs, finished, reason, n_prompt, n_output, n_cached, error, metrics) = item
+    return RequestOutput(
+        request_id=request_id, new_token_ids=token_ids, new_text=text,
+        new_logprobs=[SampledToken(tid, lp, None if top is None else [(i, p) for i, p in top])
+                      for tid, lp, top in logprobs],
+        finished=finished, finish_reason=None if reason is None else FinishReason(reason),
+        num_prompt_tokens=n_prompt, num_output_tokens=n_output, num_cached_tokens=n_cached, error=error,
+        metrics=None if metrics is None else RequestMetrics(*metrics))

@@ -1,0 +1,115 @@
+"""The official ``openai`` client (sync and async, streaming and not) against fd-serve with the default model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from fd_core.config import DEFAULT_MODEL
+from fd_core.model.loader import load_tokenizer
+from tests.fd_core.server.conftest import start_server
+
+MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow."}]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("default"), "--model.max_model_len", "1024",
+                          "--cache.num_blocks", "256", name="default-model")
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def aclient(server):
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat_prompt_tokens(tokenizer) -> int:
+    return len(tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)))
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL]
+
+
+def test_completion_counts_tokens_and_stops_at_length(client, tokenizer):
+    completion = client.completions.create(model=DEFAULT_MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "length" and choice.text.strip()
+    assert completion.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert completion.usage.completion_tokens == 8
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + 8
+    assert choice.text == tokenizer.decode(tokenizer.encode(PROMPT + choice.text)[completion.usage.prompt_tokens:])
+
+
+def test_chat_stop_string_and_eos_give_finish_reason_stop(client, tokenizer):
+    full = client.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=200, temperature=0)
+    text = full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant" and text
+    assert full.usage.prompt_tokens == chat_prompt_tokens(tokenizer)
+    if full.usage.completion_tokens < 200:  # the model ended its answer itself (EOS)
+        assert full.choices[0].finish_reason == "stop"
+    words = text.split()
+    stop = " " + words[len(words) // 2]
+    cut = client.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=200, temperature=0,
+                                         stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[:text.index(stop)]
+    short = client.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_completion_tokens=3)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+
+
+def test_sync_streaming_chat_matches_the_non_streaming_answer(client):
+    full = client.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=24,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_async_client_streaming_and_not(aclient, tokenizer):
+    async def run():
+        completion = await aclient.completions.create(model=DEFAULT_MODEL, prompt=PROMPT, max_tokens=6,
+                                                      temperature=0)
+        stream = await aclient.completions.create(model=DEFAULT_MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        chat = await aclient.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=5,
+                                                     stream=True, stream_options={"include_usage": True}, seed=3)
+        chat_chunks = [chunk async for chunk in chat]
+        return completion, chunks, chat_chunks
+
+    completion, chunks, chat_chunks = asyncio.run(run())
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == completion.choices[0].text
+    assert chunks[-1].usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens == 6
+    assert chat_chunks[-1].usage.completion_tokens == 5
+    assert chat_chunks[-1].usage.prompt_tokens == chat_prompt_tokens(tokenizer)
+
+
+def test_errors_surface_as_openai_exceptions(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=DEFAULT_MODEL, prompt="word " * 1100, max_tokens=4)

@@ -1,0 +1,220 @@
+"""A live tiny-model fd-serve: bad requests, API key, 200 concurrent streams, disconnects, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+KEY = {"Authorization": "Bearer sk-test"}
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=10).text
+
+
+def wait_all_blocks_free(url: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = metrics(url)
+        if metric(text, "fd_kv_cache_blocks_free") == metric(text, "fd_kv_cache_blocks_total") > 0:
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks still in use:\n{text}")
+        time.sleep(0.1)
+
+
+def post(url: str, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(url + path, content=content, headers={**KEY, "Content-Type": "application/json"},
+                      timeout=60, **kwargs)
+
+
+def assert_error(response: httpx.Response, status: int, *words: str, param: str | None = None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def assert_still_serving(url: str) -> None:
+    response = post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+# --- invalid requests ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words", "param"), [
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": ', 400, ["not valid JSON"], None),
+    ("/v1/completions", "", 400, ["not valid JSON"], None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, ["max_tokens", "integer"], "max_tokens"),
+    ("/v1/completions", {"prompt": 42}, 400, ["prompt"], "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, ["max_tokens", ">= 1"], "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, ["temperature"], "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, ["top_p"], "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokenz": 5}, 400, ["unknown field", "max_tokenz"], "max_tokenz"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, ["logprobs"], "logprobs"),
+    ("/v1/completions", {"prompt": [5, 99999]}, 400, ["99999", "vocabulary"], "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, ["empty"], "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, ["gpt-4", "not found"], "model"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, ["seed"], "seed"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**70}, 400, ["top_k"], "top_k"),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, ["n"], "n"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', 400, ["temperature", "finite"], "temperature"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, ["stream"], None),
+    ("/v1/chat/completions", {"messages": []}, 400, ["messages"], "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, ["role"], "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     ["top_logprobs requires logprobs"], None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400,
+     ["unknown field", "tools"], "tools"),
+])
+def test_invalid_request_is_400_naming_the_problem(tiny_server, path, body, status, words, param):
+    assert_error(post(tiny_server.url, path, body), status, *words, param=param)
+
+
+def test_prompt_over_max_model_len_names_the_limits(tiny_server):
+    long_prompt = [100 + i % 400 for i in range(600)]  # max_model_len is 512
+    assert_error(post(tiny_server.url, "/v1/completions", {"prompt": long_prompt}), 400, "600 tokens", "512",
+                 param="prompt")
+    response = post(tiny_server.url, "/v1/completions", {"prompt": list(range(100, 500)), "max_tokens": 200})
+    assert_error(response, 400, "400 tokens", "max_tokens (200)", "512", param="max_tokens")
+    assert_still_serving(tiny_server.url)
+
+
+def test_unknown_openai_bookkeeping_fields_are_accepted(tiny_server):
+    body = {"prompt": "hi", "max_tokens": 2, "user": "u-1", "metadata": {"k": "v"}, "store": False}
+    assert post(tiny_server.url, "/v1/completions", body).status_code == 200
+
+
+def test_api_key_is_required(tiny_server):
+    body = json.dumps({"prompt": "hi", "max_tokens": 2})
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test"}):
+        response = httpx.post(tiny_server.url + "/v1/completions", content=body, headers=headers, timeout=30)
+        assert_error(response, 401, "API key")
+    assert httpx.get(tiny_server.url + "/v1/models", timeout=10).status_code == 401
+    models = httpx.get(tiny_server.url + "/v1/models", headers=KEY, timeout=10).json()
+    assert models["data"][0]["max_model_len"] == 512
+    assert httpx.get(tiny_server.url + "/health", timeout=10).status_code == 200  # health needs no key
+    assert_still_serving(tiny_server.url)
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+def test_n_stop_echo_and_logprobs(tiny_server):
+    url = tiny_server.url
+    greedy = post(url, "/v1/completions", {"prompt": "The quick brown", "max_tokens": 12, "temperature": 0}).json()
+    text = greedy["choices"][0]["text"]
+    assert greedy["choices"][0]["finish_reason"] == "length"
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stopped = post(url, "/v1/completions", {"prompt": "The quick brown", "max_tokens": 12, "temperature": 0,
+                                            "stop": [stop]}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert text.startswith(stopped["choices"][0]["text"]) and stop not in stopped["choices"][0]["text"]
+
+    many = post(url, "/v1/completions", {"prompt": ["a b", "the dog"], "n": 2, "max_tokens": 4, "seed": 7,
+                                         "echo": True}).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2, 3]
+    assert many["choices"][0]["text"].startswith("a b")
+    assert many["usage"]["completion_tokens"] == 16
+
+    with_logprobs = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": 2}).json()
+    lp = with_logprobs["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert all(len(top) <= 2 for top in lp["top_logprobs"]) and all(v <= 0 for v in lp["token_logprobs"])
+
+    chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                              "logprobs": True, "top_logprobs": 1}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 1 for c in content)
+
+
+def sse_events(lines: list[str]) -> list[Any]:
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=KEY) as response:
+        assert response.status_code == 200, await response.aread()
+        events = sse_events([line async for line in response.aiter_lines()])
+    chunks = [json.loads(e) for e in events[:-1]]
+    text_chunks = [c for c in chunks if c["choices"]]
+    return {"done": events[-1] == "[DONE]", "ids": {c["id"] for c in chunks},
+            "text": "".join(c["choices"][0]["text"] for c in text_chunks), "num_chunks": len(text_chunks),
+            "finish": text_chunks[-1]["choices"][0]["finish_reason"], "usage": chunks[-1]["usage"]}
+
+
+def test_200_concurrent_streams_lose_nothing_and_free_every_block(tiny_server):
+    url = tiny_server.url
+    prompts = [[100 + (i * 7 + j) % 400 for j in range(5 + i % 11)] for i in range(200)]
+    lengths = [4 + i % 9 for i in range(200)]
+
+    async def run() -> list[dict]:
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(stream_completion(client, url, p, n)
+                                          for p, n in zip(prompts, lengths, strict=True)))
+
+    results = asyncio.run(run())
+    ids = [next(iter(r["ids"])) for r in results]
+    assert len(set(ids)) == 200 and all(len(r["ids"]) == 1 for r in results)
+    for result, prompt, n in zip(results, prompts, lengths, strict=True):
+        assert result["done"]
+        assert result["finish"] == "length"
+        assert result["num_chunks"] == n
+        assert result["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n,
+                                   "total_tokens": len(prompt) + n}
+    # the streams carried the right texts: compare a few with non-streaming greedy answers
+    for i in (0, 57, 199):
+        body = {"prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0, "ignore_eos": True}
+        assert post(url, "/v1/completions", body).json()["choices"][0]["text"] == results[i]["text"]
+    text = wait_all_blocks_free(url)
+    assert metric(text, "fd_num_requests_running") == 0 and metric(text, "fd_http_requests_in_flight") == 0
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny_server):
+    url = tiny_server.url
+    aborted_before = metric(metrics(url), "fd_request_finished_total", '{finish_reason="abort"}')
+    body = {"prompt": list(range(100, 140)), "max_tokens": 450, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=KEY, timeout=30) as response:
+        lines = response.iter_lines()
+        for _ in range(6):  # a few chunks in: the request holds blocks now
+            next(lines)
+        assert metric(metrics(url), "fd_kv_cache_blocks_used") > 0
+    deadline = time.monotonic() + 10
+    while metric(metrics(url), "fd_request_finished_total", '{finish_reason="abort"}') == aborted_before:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    wait_all_blocks_free(url)
+    assert_still_serving(url)
+
+
+def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(tiny_server):
+    url = tiny_server.url
+    aborted_before = metric(metrics(url), "fd_request_finished_total", '{finish_reason="abort"}')
+    body = json.dumps({"prompt": list(range(100, 140)), "max_tokens": 450, "ignore_eos": True})  # seconds
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", content=body, headers=KEY, timeout=httpx.Timeout(5, read=0.2))
+    deadline = time.monotonic() + 10
+    while metric(metrics(url), "fd_request_finished_total", '{finish_reason="abort"}') == aborted_before:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    wait_all_blocks_free(url)
