@@ -40,7 +40,7 @@ class ModelSection(_Section):
     served_name: str | None = Field(None, description="Name clients use; defaults to `source`.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
     max_model_len: int | None = Field(
-        None, gt=0, description="Longest prompt + output; defaults to min(model limit, 4096).")
+        None, gt=0, description="Longest prompt + output; defaults to min(model limit, 2048).")
     seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")
 
 

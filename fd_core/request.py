@@ -56,7 +56,7 @@ class SamplingParams:
         checks = (
             (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be between 0 and max_tokens"),
-            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 <= self.temperature < float("inf"), "temperature", "must be finite and >= 0"),
             (self.top_k >= -1, "top_k", "must be -1, 0 or positive"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
@@ -65,6 +65,7 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (self.n >= 1, "n", "must be >= 1"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
         )
         for ok, name, rule in checks:
             if not ok:

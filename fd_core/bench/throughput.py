@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -111,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                                       vocab_size=llm.engine.runner.arch.vocab_size, seed=args.seed)
         warm = Workload(workload.prompts[:2], 4, args.seed)
         run_engine(llm, warm)
-        results.append(measure(f"fd-engine {name}", workload, lambda w: run_engine(llm, w)))
-        del llm
+        results.append(measure(f"fd-engine {name}", workload, partial(run_engine, llm)))
     print(format_results(results))
     if args.json_out:
         args.json_out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Upper bound of the default max_model_len (the model may allow more).
-DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_MAX_MODEL_LEN = 2048
 #: Memory kept aside for activations when sizing the KV pool from the profile.
 ACTIVATION_RESERVE_BYTES = 512 << 20
 

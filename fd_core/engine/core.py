@@ -70,6 +70,7 @@ class EngineCore:
         self._num_steps = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
+        self._stats = self._collect_stats()   # replaced whole after every step; read from any thread
 
     @property
     def max_model_len(self) -> int:
@@ -147,6 +148,7 @@ class EngineCore:
         plan = self.resource_manager.schedule()
         if not plan.is_empty:
             outputs.extend(self._execute(plan))
+        self._stats = self._collect_stats()
         self.scheduler.put_results(outputs)
         return outputs
 
@@ -155,6 +157,10 @@ class EngineCore:
         return bool(self._in_engine) or self.scheduler.num_waiting() > 0 or bool(self._aborts)
 
     def stats(self) -> EngineStats:
+        """Counters as of the end of the last step; safe to call from any thread."""
+        return self._stats
+
+    def _collect_stats(self) -> EngineStats:
         return EngineStats(self.resource_manager.stats(), self.scheduler.num_waiting(), self._num_steps,
                            self._num_prompt_tokens, self._num_generated_tokens)
 
