@@ -14,7 +14,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from fd_core.bench.serve import make_workload, model_card, run_benchmark, summarize
+from fd_core.bench.serve import model_card, run_benchmark, summarize
+from fd_core.bench.workload import make_workload
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
 

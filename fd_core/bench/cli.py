@@ -32,15 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage)
         return 0
     name, rest = argv[0], argv[1:]
-    try:
-        module = importlib.import_module(f"fd_core.bench.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"fd_core.bench.{name}":
-            raise
-        print(f"fd-bench: error: 'fd-bench {name}' is not available in this build "
-              f"(module fd_core.bench.{name} is missing)", file=sys.stderr)
-        return 2
-    return module.main(rest)
+    return importlib.import_module(f"fd_core.bench.{name}").main(rest)
 
 
 if __name__ == "__main__":

@@ -34,16 +34,10 @@ from typing import Any, Final
 
 import numpy as np
 
-#: Token ids below this are not drawn (special tokens live at the start of most vocabularies).
-LOWEST_PROMPT_TOKEN: Final = 100
+from fd_core.bench.workload import WorkItem, make_workload
+
 #: Percentiles reported for each latency metric.
 PERCENTILES: Final = (50, 90, 99)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkItem:
-    prompt: list[int]
-    output_len: int
 
 
 @dataclass(slots=True)
@@ -58,21 +52,6 @@ class RequestResult:
     e2el: float = 0.0
     itl: list[float] = field(default_factory=list)   # per token
     num_chunks: int = 0
-
-
-def make_workload(*, num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
-                  seed: int) -> list[WorkItem]:
-    """Seeded random token-id prompts with uniformly drawn input and output lengths."""
-    rng = np.random.default_rng(seed)
-    lowest = min(LOWEST_PROMPT_TOKEN, vocab_size // 4)
-
-    def lengths(mean: int) -> np.ndarray:
-        low, high = max(1, math.floor(mean * (1 - range_ratio))), max(1, math.ceil(mean * (1 + range_ratio)))
-        return rng.integers(low, high + 1, num_prompts)
-
-    inputs, outputs = lengths(input_len), lengths(output_len)
-    return [WorkItem(rng.integers(lowest, vocab_size, int(n)).tolist(), int(o))
-            for n, o in zip(inputs, outputs, strict=True)]
 
 
 def arrival_delays(n: int, *, request_rate: float, burstiness: float, seed: int) -> list[float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from fd_core.bench.cli import main as fd_bench
-from fd_core.bench.serve import make_workload
+from fd_core.bench.workload import make_workload
 
 
 def test_workload_is_seeded_and_within_the_length_range():
