@@ -40,6 +40,11 @@ _EXPORTS: dict[str, str] = {
     "Platform": "fd_core.contracts.platform",
     "DetectResult": "fd_core.contracts.platform",
     "MemoryProfile": "fd_core.contracts.platform",
+    "LLM": "fd_core.engine.llm",
+    "AsyncLLM": "fd_core.engine.async_llm",
+    "CompletionResult": "fd_core.engine.results",
+    "EngineCore": "fd_core.engine.core",
+    "build_engine": "fd_core.engine.builder",
     "FdError": "fd_core.errors",
     "ConfigError": "fd_core.errors",
     "PluginError": "fd_core.errors",
@@ -71,6 +76,11 @@ if TYPE_CHECKING:
     from fd_core.contracts.resource_manager import KVLimits, KVStats, ResourceManager
     from fd_core.contracts.scheduler import Scheduler
     from fd_core.contracts.token_processor import TokenProcessor
+    from fd_core.engine.async_llm import AsyncLLM
+    from fd_core.engine.builder import build_engine
+    from fd_core.engine.core import EngineCore
+    from fd_core.engine.llm import LLM
+    from fd_core.engine.results import CompletionResult
     from fd_core.errors import (ConfigError, EngineDeadError, FdError, ModelLoadError, PluginError,
                                 PluginLoadError, PluginNotFoundError, PluginVersionError,
                                 QueueFullError, RequestError)
