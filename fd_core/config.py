@@ -38,7 +38,8 @@ class ModelSection(_Section):
 
     source: str = Field(DEFAULT_MODEL, description="Model alias, Hugging Face folder or .gguf file.")
     served_name: str | None = Field(None, description="Name clients use; defaults to `source`.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Compute dtype; the platform must support it (cpu: float32).")
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt + output; defaults to min(model limit, 2048).")
     seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")

@@ -209,9 +209,12 @@ class Registry:
             f"no such {seam.replace('_', ' ')}; available: {candidates}",
         )
 
+    def _is_unique(self, record: PluginRecord) -> bool:
+        return sum(r.seam == record.seam and r.name == record.name for r in self._records) == 1
+
     def _load_record(self, record: PluginRecord, *, raise_errors: bool) -> None:
         try:
-            obj = _load_entry_point(record)
+            obj = _load_entry_point(record, unique=self._is_unique(record))
             _check_version(record, obj)
             _check_contract(record, obj)
         except (KeyboardInterrupt, SystemExit):
@@ -244,7 +247,7 @@ class Registry:
 
     def _load_general(self, record: PluginRecord) -> None:
         try:
-            obj = _load_entry_point(record)
+            obj = _load_entry_point(record, unique=True)
             _check_version(record, obj)
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -317,27 +320,26 @@ def _records_for(seam: str, group: str, blocked: set[str]) -> list[PluginRecord]
     return records
 
 
-def _load_entry_point(record: PluginRecord) -> Any:
-    """Import one plugin with stevedore, which reports import errors through our callback."""
-    from stevedore import named
+def _load_entry_point(record: PluginRecord, *, unique: bool) -> Any:
+    """Import exactly one plugin.
+
+    A name only one entry point claims loads through stevedore's DriverManager, which hands
+    the import error to our callback. A clashing name loads the winner's entry point alone:
+    stevedore would import every candidate of that name, shadowed ones included.
+    """
+    if not unique:
+        for entry_point in metadata.entry_points(group=record.group):
+            if entry_point.name == record.name and entry_point.value == record.target:
+                return entry_point.load()
+        raise LookupError(f"entry point {record.target} is no longer installed")
+    from stevedore import driver, exception
 
     errors: list[BaseException] = []
-    manager = named.NamedExtensionManager(
-        namespace=record.group,
-        names=[record.name],
-        on_load_failure_callback=lambda _mgr, ep, exc: errors.append(exc) if ep.value == record.target else None,
-        on_missing_entrypoints_callback=lambda names: None,
-        conflict_resolver=lambda _ns, _name, exts: next(
-            (e for e in exts if e.entry_point.value == record.target), exts[0]),
-    )
-    if errors:
-        raise errors[0]
-    for extension in manager.extensions:
-        if extension.entry_point.value == record.target:
-            return extension.plugin
-    # Not reachable through entry points (e.g. a class from a fd_register_* hook): import directly.
-    module_name, _, attr = record.target.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    try:
+        manager = driver.DriverManager(namespace=record.group, name=record.name,
+                                       on_load_failure_callback=lambda _mgr, _ep, exc: errors.append(exc))
+    except exception.NoMatches:
+        if errors:
+            raise errors[0] from None
+        raise
+    return manager.driver

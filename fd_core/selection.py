@@ -8,6 +8,7 @@ device beyond the platforms' ``detect()`` probes, which never raise.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,10 +55,14 @@ class Selection:
         return {seam: selected.name for seam, selected in self.plugins.items()}
 
 
-def resolve(config: FdConfig, registry: Registry | None = None) -> Selection:
+def resolve(config: FdConfig, registry: Registry | None = None, *, apply_worker_env: bool = False) -> Selection:
     """Load and validate every seam plugin the config selects.
 
-    Raises ConfigError (key path such as ``scheduler.options.ttl_s``) or PluginError
+    With ``apply_worker_env`` (engine start-up, not ``--check``), an explicitly named
+    platform's ``worker_env()`` is put into ``os.environ`` *before* its ``detect()`` runs:
+    visible-device variables only take effect before the device runtime starts, and a probe
+    may start it. Under ``platform.name = "auto"`` the variables come after detection, so name
+    the platform when you restrict devices. Raises ConfigError (key path such as ``scheduler.options.ttl_s``) or PluginError
     (naming the plugin). In strict mode every discovered plugin must load.
     """
     if registry is None:
@@ -73,7 +78,10 @@ def resolve(config: FdConfig, registry: Registry | None = None) -> Selection:
         else:
             name = section.name
         cls = _load(registry, seam, name)
-        selection.plugins[seam] = SelectedPlugin(seam, name, cls, _validate_options(seam, cls, section.options))
+        settings = _validate_options(seam, cls, section.options)
+        if seam == "platform" and apply_worker_env and not selection.platform_reason:
+            os.environ.update(cls(settings).worker_env())
+        selection.plugins[seam] = SelectedPlugin(seam, name, cls, settings)
     if "platform" in selection.plugins and not selection.platform_reason:
         selection.platform_reason = _explicit_platform_reason(selection["platform"].cls)
     return selection

@@ -66,6 +66,10 @@ class Platform(SeamPlugin, ABC):
     def supported_dtypes(self) -> tuple[str, ...]:
         """Model dtypes this platform can run, most preferred first (e.g. ``("float32",)``)."""
 
+    def num_threads(self) -> int | None:
+        """Host math threads the runner should use; ``None`` lets it use every usable CPU."""
+        return None
+
     def worker_env(self) -> dict[str, str]:
         """Environment variables a worker process needs before importing Paddle."""
         return {}

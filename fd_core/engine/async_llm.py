@@ -97,4 +97,7 @@ class AsyncLLM:
                     target = self._streams.get(output.request_id)
                 if target is not None:
                     loop, queue = target
-                    loop.call_soon_threadsafe(queue.put_nowait, output)
+                    try:
+                        loop.call_soon_threadsafe(queue.put_nowait, output)
+                    except RuntimeError:  # that caller's event loop is closed; others go on
+                        self.engine.abort(output.request_id)

@@ -46,7 +46,7 @@ def build_engine(config: FdConfig, registry: Registry | None = None) -> EngineCo
     from fd_core.model.loader import load_model
     from fd_core.selection import resolve
 
-    selection = resolve(config, registry)
+    selection = resolve(config, registry, apply_worker_env=True)
     platform: Platform = selection["platform"].create()
     if config.model.dtype not in platform.supported_dtypes():
         raise ConfigError("model.dtype", f"{config.model.dtype!r} is not supported by platform "
@@ -66,7 +66,7 @@ def build_engine(config: FdConfig, registry: Registry | None = None) -> EngineCo
 
     runner = ModelRunner(arch, loaded.weights, num_blocks=kv.num_blocks, block_size=config.cache.block_size,
                          dtype=config.model.dtype, device=platform.device_string(),
-                         sampler=Sampler(seed=config.model.seed))
+                         sampler=Sampler(seed=config.model.seed), num_threads=platform.num_threads())
     limits = KVLimits(
         num_blocks=kv.num_blocks, block_size=config.cache.block_size,
         max_num_seqs=config.engine.max_num_seqs, max_num_batched_tokens=config.engine.max_num_batched_tokens,

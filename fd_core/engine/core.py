@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from fd_core.errors import RequestError
 from fd_core.outputs import RequestOutput, StepResult
-from fd_core.request import FinishReason, Request
+from fd_core.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
@@ -130,14 +130,14 @@ class EngineCore:
         self.hooks.fd_engine_started(config=self.config)
         try:
             while not stop.is_set():
-                if not self.resource_manager.has_unfinished() and not self._aborts:
-                    # idle: block until a request arrives or wake() is called
-                    self._admit(self.scheduler.get_requests(self._room(), timeout=None))
                 try:
+                    if not self.resource_manager.has_unfinished() and not self._aborts:
+                        # idle: block until a request arrives or wake() is called
+                        self._admit(self.scheduler.get_requests(self._room(), timeout=None))
                     self.step()
                 except Exception:  # a plugin bug must not strand clients: fail what is in flight
                     log.exception("engine step failed; failing %d in-flight requests", len(self._in_engine))
-                    self.scheduler.put_results(self._fail_in_flight("engine step failed; see the server log"))
+                    self.scheduler.put_results(self.fail_in_flight("engine step failed; see the server log"))
         finally:
             self.hooks.fd_engine_stopped()
 
@@ -171,11 +171,26 @@ class EngineCore:
         return max(0, self.limits.max_num_seqs - len(self._in_engine))
 
     def _admit(self, requests: list[Request]) -> None:
+        refused = []
         for request in requests:
             self._in_engine[request.request_id] = request
-            self.token_processor.add_request(request)
-            self.resource_manager.add_request(request)
-            self.hooks.fd_request_added(request=request)
+            try:
+                self.token_processor.add_request(request)
+                self.resource_manager.add_request(request)
+                self.hooks.fd_request_added(request=request)
+            except Exception as exc:  # one plugin failure refuses this request, not the batch
+                log.exception("could not admit %r", request)
+                self.resource_manager.abort(request.request_id)
+                refused.append(self._error_output(request, f"could not admit the request: {exc}"))
+        self.scheduler.put_results(refused)
+
+    def _error_output(self, request: Request, error: str) -> RequestOutput:
+        """Final output for a request the plugins could not finish cleanly; forgets it."""
+        self._in_engine.pop(request.request_id, None)
+        self.runner.release([request.request_id])
+        request.status, request.finish_reason, request.error = RequestStatus.FINISHED, FinishReason.ERROR, error
+        return RequestOutput(request.request_id, finished=True, finish_reason=FinishReason.ERROR, error=error,
+                             num_prompt_tokens=request.num_prompt_tokens)
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         self._num_steps += 1
@@ -199,16 +214,15 @@ class EngineCore:
             self._num_prompt_tokens += max(0, min(row.start + row.num_new_tokens, n_prompt) - row.start)
         self._num_generated_tokens += len(result.sampled)
 
-    def _fail_in_flight(self, error: str) -> list[RequestOutput]:
+    def fail_in_flight(self, error: str) -> list[RequestOutput]:
+        """Finish every admitted request with ``error`` (after a failed step); returns their outputs."""
         outputs = []
         for request in list(self._in_engine.values()):
             try:
                 outputs.append(self._finish(request, FinishReason.ERROR, error))
-            except Exception:  # the plugin that failed may fail again; still drop the request
+            except Exception:  # the plugin that failed may fail again; still answer the request
                 log.exception("could not finish %r cleanly", request)
-                self._in_engine.pop(request.request_id, None)
-                outputs.append(RequestOutput(request.request_id, finished=True, finish_reason=FinishReason.ERROR,
-                                             error=error, num_prompt_tokens=request.num_prompt_tokens))
+                outputs.append(self._error_output(request, error))
         return outputs
 
     def _apply_aborts(self) -> list[RequestOutput]:

@@ -34,6 +34,8 @@ class LLM:
         from fd_core.config import load_config
         from fd_core.engine.builder import build_engine
 
+        if config is not None and (model is not None or sections):
+            raise ValueError("pass either config= or model/section overrides, not both")
         if config is None:
             if model is not None:
                 sections["model"] = {**sections.get("model", {}), "source": model}
@@ -89,7 +91,12 @@ class LLM:
                 for request in itertools.islice(queue, max(0, self.engine.scheduler.max_queue_size
                                                            - self.engine.scheduler.num_waiting())):
                     self.engine.add_request(request)
-                self.engine.step()
+                try:
+                    self.engine.step()
+                except Exception:  # leave the engine empty for the next generate() call
+                    self.engine.fail_in_flight("engine step failed")
+                    self.engine.get_results(timeout=0)
+                    raise
                 for output in self.engine.get_results(timeout=0):
                     result = results.get(output.request_id)
                     if result is None:

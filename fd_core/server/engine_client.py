@@ -184,9 +184,14 @@ class EngineClient:
             self._acks[request.request_id] = ack = loop.create_future()
             acks.append(ack)
             self._outbox.put_nowait(data)
-        results = await asyncio.gather(*acks, return_exceptions=True)
-        for request in requests:
-            self._acks.pop(request.request_id, None)
+        try:
+            results = await asyncio.gather(*acks, return_exceptions=True)
+        except BaseException:  # cancelled (client gone): undo the registration, abort what was queued
+            stream.close()
+            raise
+        finally:
+            for request in requests:
+                self._acks.pop(request.request_id, None)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             stream.close()

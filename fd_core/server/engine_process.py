@@ -108,6 +108,22 @@ class _Sender:
             self._socket.send(data)
 
 
+def _guarded(loop: Any) -> Any:
+    """Run a thread loop; if it dies, stop the whole process so the front end sees the engine die."""
+
+    def run(engine: EngineCore, *args: Any) -> None:
+        try:
+            loop(engine, *args)
+        except Exception:
+            log.exception("engine thread %s failed; stopping the engine", threading.current_thread().name)
+            stop = next(a for a in args if isinstance(a, threading.Event))
+            stop.set()
+            engine.wake()
+
+    return run
+
+
+@_guarded
 def _input_loop(engine: EngineCore, socket: zmq.Socket[bytes], sender: _Sender, stop: threading.Event,
                 parent_pid: int) -> None:
     while not stop.is_set():
@@ -145,6 +161,7 @@ def _add(engine: EngineCore, message: list[Any], sender: _Sender) -> None:
         sender.send([wire.ACK, request.request_id])
 
 
+@_guarded
 def _output_loop(engine: EngineCore, sender: _Sender, stop: threading.Event) -> None:
     while not stop.is_set():
         outputs = engine.get_results(timeout=IDLE_CHECK_MS / 1000)

@@ -19,7 +19,7 @@ class CpuSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_threads: int | None = Field(
-        None, ge=1, description="Threads per worker for OpenMP/MKL; None uses os.cpu_count().")
+        None, ge=1, description="Math threads per worker (Paddle, OpenMP, MKL); None: every usable CPU.")
 
 
 def read_meminfo(path: str = "/proc/meminfo") -> MemoryProfile:
@@ -46,7 +46,7 @@ class CpuPlatform(Platform):
 
     @classmethod
     def detect(cls) -> DetectResult:
-        return DetectResult(True, f"host CPU ({os.cpu_count()} cores)", 1)
+        return DetectResult(True, f"host CPU ({len(os.sched_getaffinity(0))} usable cores)", 1)
 
     def device_string(self, local_rank: int = 0) -> str:
         return "cpu"
@@ -55,11 +55,14 @@ class CpuPlatform(Platform):
         # Paddle's CPU kernels cover float32 fully; bfloat16/float16 matmuls are slow or missing.
         return ("float32",)
 
-    def worker_env(self) -> dict[str, str]:
-        """Thread counts for OpenMP/MKL/OpenBLAS: ``num_threads`` or every core."""
+    def num_threads(self) -> int:
+        """``num_threads`` or every CPU this process may run on."""
         assert isinstance(self.settings, CpuSettings)
-        threads = str(self.settings.num_threads or os.cpu_count() or 1)
-        return dict.fromkeys(_THREAD_VARS, threads)
+        return self.settings.num_threads or len(os.sched_getaffinity(0))
+
+    def worker_env(self) -> dict[str, str]:
+        """Thread counts for OpenMP/MKL/OpenBLAS, the same as :meth:`num_threads`."""
+        return dict.fromkeys(_THREAD_VARS, str(self.num_threads()))
 
     def memory_profile(self) -> MemoryProfile:
         """Host memory from ``/proc/meminfo``: MemTotal and MemAvailable."""

@@ -116,3 +116,13 @@ def test_disabled_plugin_is_not_imported(tmp_path):
     deploy.write_text('[plugins]\nstrict = true\ndisabled = ["fd.schedulers/broken", "fd.schedulers/old"]\n')
     result = run_fd_serve("--config", str(deploy), "--check")
     assert result.returncode == 0, result.stderr
+
+
+def test_loading_a_name_imports_only_the_winner():
+    import subprocess
+    import sys
+
+    code = ("import sys; from fd_core.registry import Registry; r = Registry.discover(); "
+            "r.load('scheduler', 'local'); print('fd_other_plugins.old' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -109,3 +109,63 @@ def test_a_failing_step_fails_in_flight_requests_instead_of_hanging(async_llm):
     assert "device fell over" in last.error
     free, total = _free(async_llm)
     assert free == total
+
+
+def test_a_plugin_failing_at_admission_refuses_that_request_only(tiny_model_dir):
+    import fd_core
+    from fd_core.config import load_config
+    from fd_core.engine.builder import build_engine
+    from fd_core.registry import Registry
+
+    class RefuseOne:
+        fd_hookspec_version = fd_core.FD_HOOKSPEC_VERSION
+
+        @fd_core.hookimpl
+        def fd_request_added(self, request):
+            if request.request_id == "bad":
+                raise RuntimeError("plugin bug")
+
+    registry = Registry.discover()
+    registry.plugin_manager.register(RefuseOne())
+    config = load_config(model={"source": tiny_model_dir}, cache={"num_blocks": 64})
+    llm = AsyncLLM(build_engine(config, registry))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+
+    async def last(rid):
+        async for out in llm.generate([5, 6, 7], params, request_id=rid):
+            final = out
+        return final
+
+    async def main():
+        return await asyncio.gather(last("bad"), last("good"))
+
+    try:
+        bad, good = asyncio.run(main())
+        again = asyncio.run(last("later"))            # the engine thread is still alive
+    finally:
+        llm.shutdown()
+    assert bad.finish_reason is FinishReason.ERROR and "plugin bug" in bad.error
+    assert good.finish_reason is FinishReason.LENGTH and good.num_output_tokens == 5
+    assert again.finish_reason is FinishReason.LENGTH
+    assert llm.engine.resource_manager.num_free_blocks() == 64
+
+
+def test_abort_of_a_request_waiting_inside_the_resource_manager_frees_at_once(tiny_model_dir):
+    from fd_core.config import load_config
+    from fd_core.engine.builder import build_engine
+    from fd_core.request import Request
+
+    engine = build_engine(load_config(model={"source": tiny_model_dir}, cache={"num_blocks": 8, "block_size": 16},
+                                      engine={"max_num_seqs": 4, "max_num_batched_tokens": 256}))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine.add_request(Request("big", [5] * 80, params))      # takes most of the pool
+    engine.add_request(Request("waits", [6] * 60, params))    # cannot get its blocks yet
+    engine.step()
+    rm = engine.resource_manager
+    assert rm.stats().num_running == 1 and rm.stats().num_waiting == 1
+    engine.abort("waits")
+    engine.abort("big")
+    engine.step()
+    assert rm.num_free_blocks() == rm.num_blocks
+    finals = {o.request_id: o for o in engine.get_results(timeout=0) if o.finished}
+    assert {k: v.finish_reason for k, v in finals.items()} == {"big": FinishReason.ABORT, "waits": FinishReason.ABORT}
