@@ -113,3 +113,21 @@ def test_errors_surface_as_openai_exceptions(client):
         client.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=-1)
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=DEFAULT_MODEL, prompt="word " * 1100, max_tokens=4)
+
+
+def test_the_readme_curl_example_works_as_written(server):
+    import json
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    command = next(block for block in re.findall(r"```bash\n(.*?)\n```", readme, re.S) if block.startswith("curl"))
+    command = command.replace("http://127.0.0.1:8000", server.url)   # the test server's free port
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    answer = json.loads(result.stdout)
+    assert answer["choices"][0]["message"]["content"].startswith("The capital of France is Paris")
+    assert answer["choices"][0]["finish_reason"] == "stop"
