@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from fd_core.contracts.resource_manager import KVLimits
     from fd_core.request import Request
-    from fd_plugins.resource_managers.v1.block_pool import BlockPool, KVBlock
+    from fd_plugins.resource_managers.block_pool import BlockPool, KVBlock
 
 
 def cdiv(a: int, b: int) -> int:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.outputs import StepPlan
 from fd_plugins.resource_managers._common import BlockTable, QueuedBlockManager, cdiv
-from fd_plugins.resource_managers.v1.block_pool import BlockPool
+from fd_plugins.resource_managers.block_pool import BlockPool
 
 if TYPE_CHECKING:
     from fd_core.contracts.resource_manager import KVLimits

@@ -38,14 +38,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from fd_core.outputs import StepPlan
 from fd_core.request import FinishReason, RequestStatus
 from fd_plugins.resource_managers._common import BlockTable, QueuedBlockManager, cdiv
-from fd_plugins.resource_managers.v1.block_pool import BlockPool
+from fd_plugins.resource_managers.block_pool import BlockPool
 from fd_plugins.resource_managers.v1.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from fd_core.contracts.resource_manager import KVLimits, KVStats
     from fd_core.outputs import ScheduledRequest
     from fd_core.request import Request
-    from fd_plugins.resource_managers.v1.block_pool import KVBlock
+    from fd_plugins.resource_managers.block_pool import KVBlock
 
 
 class V1Settings(BaseModel):

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from fd_core.request import Request
-    from fd_plugins.resource_managers.v1.block_pool import KVBlock
+    from fd_plugins.resource_managers.block_pool import KVBlock
 
 #: Parent of the first block of every request.
 ROOT_HASH: Final = sha256(b"fd-engine prefix cache, hash scheme 1").digest()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fd_core.request import Request
-from fd_plugins.resource_managers.v1.block_pool import BlockPool
+from fd_plugins.resource_managers.block_pool import BlockPool
 from fd_plugins.resource_managers.v1.prefix_cache import ROOT_HASH, PrefixCache, hash_block
 
 BS = 4

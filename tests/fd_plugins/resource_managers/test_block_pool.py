@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fd_plugins.resource_managers.v1.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from fd_plugins.resource_managers.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 def _ids(pool: BlockPool) -> list[int]:
