@@ -42,7 +42,7 @@ class AttentionMetadata:
     write_index: paddle.Tensor           # int64 [T * num_kv_heads]: see pa.write_index
     decode_index: paddle.Tensor | None   # int64: pa.gather_index of the decode rows
     decode_mask: paddle.Tensor | None    # [num_decode, num_heads, L] additive mask
-    prefill: tuple[pa.PrefillChunk, ...]  # one per multi-token row, in token order
+    prefill: tuple[pa.PrefillChunk, ...]  # multi-token rows cut at pa.PREFILL_CHUNK, in token order
 
     def __repr__(self) -> str:
         return (f"AttentionMetadata(tokens={self.num_tokens}, rows={len(self.starts)}, "
@@ -52,6 +52,26 @@ class AttentionMetadata:
 def order_rows(rows: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
     """The rows in step order: single-token rows first, otherwise as given."""
     return sorted(rows, key=lambda row: row.num_new_tokens != 1)
+
+
+def _prefill_chunks(table: np.ndarray, begin: int, start: int, num_new: int, *, block_size: int,
+                    num_kv_heads: int, dtype: str) -> list[pa.PrefillChunk]:
+    """Kernel inputs of one multi-token row, cut into chunks of at most ``pa.PREFILL_CHUNK`` queries.
+
+    ``table`` is the row's padded block table, ``begin`` its first token in the step and
+    ``start`` that token's position. Each chunk reads only the blocks up to its last query.
+    """
+    chunks = []
+    for offset in range(0, num_new, pa.PREFILL_CHUNK):
+        n = min(pa.PREFILL_CHUNK, num_new - offset)
+        blocks = -(-(start + offset + n) // block_size)
+        chunks.append(pa.PrefillChunk(
+            begin=begin + offset, end=begin + offset + n,
+            gather_index=paddle.to_tensor(pa.gather_index(table[None, :blocks], num_kv_heads)),
+            mask=paddle.to_tensor(pa.prefill_mask(start + offset, n, blocks * block_size),
+                                  dtype=dtype),
+        ))
+    return chunks
 
 
 def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: int,
@@ -96,15 +116,10 @@ def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: in
         decode_mask = paddle.to_tensor(pa.decode_mask(context[:num_decode], width * block_size,
                                                                      num_heads),
                                        dtype=dtype)
-    prefill = tuple(
-        pa.PrefillChunk(
-            begin=int(begins[i]), end=int(ends[i]),
-            gather_index=paddle.to_tensor(pa.gather_index(tables[i:i + 1, :needed[i]], num_kv_heads)),
-            mask=paddle.to_tensor(pa.prefill_mask(int(starts[i]), int(new[i]),
-                                                  int(needed[i]) * block_size), dtype=dtype),
-        )
-        for i in range(num_decode, len(rows))
-    )
+    prefill = tuple(chunk for i in range(num_decode, len(rows))
+                    for chunk in _prefill_chunks(tables[i], int(begins[i]), int(starts[i]),
+                                                 int(new[i]), block_size=block_size,
+                                                 num_kv_heads=num_kv_heads, dtype=dtype))
     return AttentionMetadata(
         num_tokens=int(ends[-1]), num_decode=num_decode, block_size=block_size,
         starts=starts, num_new_tokens=new, context_lens=context, block_tables=tables,

@@ -12,6 +12,7 @@ from fd_core.model.arch import LlamaArchConfig
 from fd_core.outputs import ScheduledRequest, StepPlan
 from fd_core.request import Request
 from fd_core.runner.model_runner import ModelRunner
+from fd_kernels import paged_attention as pa
 from tests.fd_core.model.tiny_llama import GreedySampler, random_weights, tiny_arch
 
 pytestmark = pytest.mark.hf
@@ -93,6 +94,8 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path: Path, variant: st
     _save_hf_folder(arch, weights, tmp_path / "model")
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, arch.vocab_size, n).tolist() for n in rng.integers(3, 60, NUM_PROMPTS)]
+    # One prompt long enough for the kernel to split its prefill into several chunks.
+    prompts[0] += rng.integers(0, arch.vocab_size, 2 * pa.PREFILL_CHUNK + 20).tolist()
 
     expected_tokens, expected_logits = _hf_greedy(tmp_path / "model", prompts)
     tokens, logits = _ours_greedy(arch, weights, prompts)

@@ -8,6 +8,7 @@ import pytest
 from fd_core.outputs import ScheduledRequest
 from fd_core.request import Request
 from fd_core.runner.attention_metadata import build_attention_metadata, order_rows
+from fd_kernels import paged_attention as pa
 
 
 def _row(rid: str, start: int, n: int, table: list[int], sample: bool = True) -> ScheduledRequest:
@@ -41,3 +42,17 @@ def test_bad_block_tables_rejected(table: list[int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build_attention_metadata([_row("r", 0, 6, table)], block_size=4, num_blocks=10,
                                  num_heads=1, num_kv_heads=1)
+
+
+def test_long_rows_cut_into_chunks_that_read_only_blocks_up_to_their_last_query() -> None:
+    size, start, n = pa.PREFILL_CHUNK, 3, 2 * pa.PREFILL_CHUNK + 5
+    table = list(range(1, 2 + (start + n) // 16))
+    meta = build_attention_metadata([_row("p", start, n, table)], block_size=16, num_blocks=64,
+                                    num_heads=2, num_kv_heads=1)
+    assert [(c.begin, c.end) for c in meta.prefill] == [(0, size), (size, 2 * size), (2 * size, n)]
+    for chunk in meta.prefill:
+        blocks = -(-(start + chunk.end) // 16)
+        np.testing.assert_array_equal(chunk.gather_index.numpy(), table[:blocks])
+        np.testing.assert_array_equal(chunk.mask.numpy(),
+                                      pa.prefill_mask(start + chunk.begin, chunk.end - chunk.begin,
+                                                      blocks * 16))
