@@ -79,26 +79,38 @@ class SeamSection(_Section):
 
 
 class SchedulerSection(SeamSection):
+    """The request scheduler plugin (entry-point group fd.schedulers)."""
+
     name: str = "local"
 
 
 class ResourceManagerSection(SeamSection):
+    """The KV resource manager plugin (fd.resource_managers)."""
+
     name: str = "v1"
 
 
 class TokenProcessorSection(SeamSection):
+    """The token processor plugin (fd.token_processors)."""
+
     name: str = "default"
 
 
 class ConnectorSection(SeamSection):
+    """The prefill/decode KV connector plugin (fd.connectors)."""
+
     name: str = Field("none", description="Splitwise KV connector; 'none' when not disaggregated.")
 
 
 class PlatformSection(SeamSection):
+    """The hardware platform plugin (fd.platforms)."""
+
     name: str = Field("auto", description="'auto' picks the available platform of highest priority.")
 
 
 class ParallelSection(_Section):
+    """Parallelism; only size 1 runs so far."""
+
     data_parallel_size: int = Field(1, gt=0)
     tensor_parallel_size: int = Field(1, gt=0)
 

@@ -68,3 +68,12 @@ def test_cli_reports_key_path_and_precedence(deploy):
                           env={"FD_SERVER__PORT": "9050", "FD_CACHE__BLOCK_SIZE": "48"})
     assert result.returncode == 0, result.stderr
     assert '"port": 9100' in result.stdout and '"block_size": 48' in result.stdout
+
+
+def test_docs_config_reference_is_up_to_date():
+    from pathlib import Path
+
+    from fd_core.config_reference import render
+
+    committed = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    assert committed == render(), "regenerate: python -m fd_core.config_reference > docs/config.md"
