@@ -39,13 +39,13 @@ SEAM_GROUPS: Final = {
 GENERAL_GROUP: Final = "fd.plugins"
 #: Distribution of the built-in plugins; it wins name clashes.
 BUILTIN_DIST: Final = "fd-engine"
-#: Seam name -> "module:Class" of its contract, imported only when checking a plugin.
-_CONTRACTS: Final = {
-    "scheduler": "fd_core.contracts.scheduler:Scheduler",
-    "resource_manager": "fd_core.contracts.resource_manager:ResourceManager",
-    "token_processor": "fd_core.contracts.token_processor:TokenProcessor",
-    "connector": "fd_core.contracts.connector:Connector",
-    "platform": "fd_core.contracts.platform:Platform",
+#: Seam name -> its contract class in ``fd_core.contracts.<seam>``, imported only when checking a plugin.
+_CONTRACT_CLASSES: Final = {
+    "scheduler": "Scheduler",
+    "resource_manager": "ResourceManager",
+    "token_processor": "TokenProcessor",
+    "connector": "Connector",
+    "platform": "Platform",
 }
 
 LOADED: Final = "loaded"
@@ -95,7 +95,7 @@ def _check_version(record: PluginRecord, obj: Any) -> None:
 
 
 def _check_contract(record: PluginRecord, obj: Any) -> None:
-    module_name, _, cls_name = _CONTRACTS[record.seam].partition(":")
+    module_name, cls_name = f"fd_core.contracts.{record.seam}", _CONTRACT_CLASSES[record.seam]
     contract = getattr(importlib.import_module(module_name), cls_name)
     if not (isinstance(obj, type) and issubclass(obj, contract)):
         raise PluginLoadError(record.label, f"is not a subclass of {contract.__module__}.{cls_name}")
