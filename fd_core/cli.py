@@ -88,7 +88,7 @@ def _plugins_list(config: FdConfig) -> int:
     logging.getLogger("fd_core.registry").setLevel(logging.ERROR)  # the table shows failures
     registry = Registry.discover(disabled=config.plugins.disabled)
     failures = registry.load_all()
-    print(format_plugin_table(registry))
+    print(format_plugin_table(registry, detections=detect_platforms(registry)))
     if failures and config.plugins.strict:
         names = ", ".join(record.label for record in failures)
         print(f"fd-serve: error: strict mode: plugins failed to load: {names}", file=sys.stderr)
@@ -96,11 +96,25 @@ def _plugins_list(config: FdConfig) -> int:
     return 0
 
 
-def format_plugin_table(registry: Registry) -> str:
-    """The ``plugins list`` table: one row per plugin, grouped by seam."""
+def detect_platforms(registry: Registry) -> dict[str, str]:
+    """Platform name -> ``available: <reason>`` or ``unavailable: <reason>``, for each loaded platform."""
+    from fd_core.registry import LOADED
+
+    found = {}
+    for record in registry.records("platform"):
+        if record.status == LOADED:
+            result = record.obj.detect()
+            found[record.name] = f"{'available' if result.available else 'unavailable'}: {result.reason}"
+    return found
+
+
+def format_plugin_table(registry: Registry, *, detections: dict[str, str] | None = None) -> str:
+    """The ``plugins list`` table: one row per plugin, grouped by seam; platforms show ``detections``."""
     rows = [("GROUP", "NAME", "DISTRIBUTION", "VERSION", "STATUS")]
     for record in registry.records():
         status = record.status if record.reason is None else f"{record.status}: {record.reason}"
+        if record.seam == "platform" and detections and record.name in detections:
+            status = f"{status} — {detections[record.name]}"
         rows.append((record.group, record.name, record.dist, record.version, status))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join(

@@ -125,6 +125,9 @@ class ServerSection(_Section):
     max_queue_size: int = Field(1024, gt=0, description="Requests queued in the engine beyond this get 429.")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="How long SIGTERM waits for in-flight requests.")
     engine_start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for the engine to load.")
+    exit_after_engine_death_s: float = Field(
+        2.0, ge=0, description="After the engine process dies, fd-serve answers 503 (/health: 'dead' and how "
+                               "it died) for this long, then exits with code 3 so a supervisor restarts it.")
 
 
 class PluginsSection(_Section):

@@ -4,25 +4,37 @@ Call order at start-up: the registry loads every platform class (import only), t
 :meth:`Platform.detect` on each (or only on the one named by ``platform.name``), picks the
 available platform with the highest :attr:`Platform.priority`, instantiates it with its
 validated settings, then calls :meth:`Platform.worker_env`, :meth:`Platform.device_string`
-and :meth:`Platform.kv_cache_memory_bytes` before any model weights are loaded.
+and :meth:`Platform.kv_cache_memory_bytes` before any model weights are loaded, and picks every
+swappable kernel from the instance's :attr:`Platform.capabilities`
+(``fd_core.model.kernels.select_kernels``).
 
 Invariants:
 - :meth:`detect` never raises and never initialises a device context; it answers from
   compile flags, libraries and environment only.
 - :meth:`kv_cache_memory_bytes` is a byte budget for K and V tensors only, after the
   model weights and an activation reserve are taken out.
+- :attr:`capabilities` lists only what is safe to use on this machine with these settings: a
+  kernel is picked when every capability it requires is declared, so declaring too much can
+  crash the engine (an illegal instruction), declaring too little only costs speed.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Final
 
 from fd_core.contracts._base import SeamPlugin
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
+
+#: Capability: the platform runs the paged KV cache kernels (every built-in does).
+PAGED_ATTENTION: Final = "paged_attention"
+#: Capability: the device has float16 kernels.
+FLOAT16: Final = "float16"
+#: Capability: Paddle's ``fused_rms_norm`` op is safe on this device (its CPU kernel needs AVX-512F).
+FUSED_RMS_NORM: Final = "fused_rms_norm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +59,11 @@ class Platform(SeamPlugin, ABC):
 
     #: Higher wins when several platforms are available and ``platform.name = "auto"``.
     priority: ClassVar[int] = 0
-    #: Declared optional abilities, e.g. ``{"bfloat16", "paged_attention"}``; checked at start-up.
-    capabilities: ClassVar[frozenset[str]] = frozenset()
+    #: Optional abilities declared by this platform *instance*, e.g. ``{"paged_attention",
+    #: "fused_rms_norm", "avx2"}``; read after construction, so a platform whose abilities depend
+    #: on the machine or its settings (cpu) sets it in ``__init__``. The names the core reads are
+    #: the constants of this module; a platform may declare more for its own kernels.
+    capabilities: frozenset[str] = frozenset()
 
     def __init__(self, settings: BaseModel | None = None) -> None:
         self.settings = settings

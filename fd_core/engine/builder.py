@@ -2,14 +2,17 @@
 
 Order matters and is the start-up contract: the whole config and every selected plugin are
 validated first (cheap, no device work); then the platform's worker environment is applied,
-the model is loaded, the KV pool is sized from the platform's memory profile (or
-``cache.num_blocks``), and only then are the seam plugins instantiated.
+the kernels are chosen from its declared capabilities (logged once, in one line), the model is
+loaded, the KV pool is sized from the platform's memory profile (or ``cache.num_blocks``), the
+runner warms up (a short prefill and a decode step through the chosen kernels), and only then
+are the seam plugins instantiated.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
     from fd_core.contracts.platform import Platform
     from fd_core.engine.core import EngineCore
     from fd_core.model.arch import LlamaArchConfig
+    from fd_core.model.kernels import KernelSet
     from fd_core.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -40,8 +44,15 @@ class KVPlan:
     source: str   # "cache.num_blocks" or "profile: ..."
 
 
-def build_engine(config: FdConfig, registry: Registry | None = None) -> EngineCore:
-    """Validate, load and wire every part; raises ConfigError / PluginError / ModelLoadError."""
+def build_engine(config: FdConfig, registry: Registry | None = None, *,
+                 progress: Callable[[str], None] | None = None) -> EngineCore:
+    """Validate, load and wire every part; raises ConfigError / PluginError / ModelLoadError.
+
+    ``progress(stage)`` is told each heavy stage before it starts ("loading the model", "warm-up
+    ..."), so that a process watching this one can say where start-up failed, even when a
+    native kernel kills the process.
+    """
+    report = progress or (lambda stage: None)
     from fd_core.engine.core import EngineCore
     from fd_core.model.loader import load_model
     from fd_core.selection import resolve
@@ -52,8 +63,9 @@ def build_engine(config: FdConfig, registry: Registry | None = None) -> EngineCo
         raise ConfigError("model.dtype", f"{config.model.dtype!r} is not supported by platform "
                           f"{platform.name!r}; it supports {list(platform.supported_dtypes())}")
     os.environ.update(platform.worker_env())
-    log.info("platform %s (%s)", platform.name, selection.platform_reason)
+    kernels = choose_kernels(platform, selection.platform_reason)
 
+    report(f"loading the model {config.model.source!r}")
     loaded = load_model(config.model.source)
     arch = loaded.arch
     max_model_len = _max_model_len(config, arch)
@@ -61,12 +73,16 @@ def build_engine(config: FdConfig, registry: Registry | None = None) -> EngineCo
                       weights_bytes=sum(w.nbytes for w in loaded.weights.values()))
     log.info("KV pool: %d blocks of %d tokens (%s)", kv.num_blocks, config.cache.block_size, kv.source)
 
-    from fd_core.runner.model_runner import ModelRunner
+    from fd_core.runner.model_runner import WARMUP_PROMPT_TOKENS, ModelRunner
     from fd_core.runner.sampling import Sampler
 
     runner = ModelRunner(arch, loaded.weights, num_blocks=kv.num_blocks, block_size=config.cache.block_size,
                          dtype=config.model.dtype, device=platform.device_string(),
-                         sampler=Sampler(seed=config.model.seed), num_threads=platform.num_threads())
+                         sampler=Sampler(seed=config.model.seed), num_threads=platform.num_threads(),
+                         kernels=kernels)
+    report(f"warm-up forward pass (kernels: {kernels.describe()})")
+    warm_up_s = runner.warm_up()
+    log.info("warm-up: a %d-token prefill and a decode step took %.2f s", WARMUP_PROMPT_TOKENS, warm_up_s)
     limits = KVLimits(
         num_blocks=kv.num_blocks, block_size=config.cache.block_size,
         max_num_seqs=config.engine.max_num_seqs, max_num_batched_tokens=config.engine.max_num_batched_tokens,
@@ -80,6 +96,16 @@ def build_engine(config: FdConfig, registry: Registry | None = None) -> EngineCo
     return EngineCore(scheduler=scheduler, resource_manager=resource_manager, token_processor=token_processor,
                       runner=runner, limits=limits, hooks=hooks, tokenizer=loaded.tokenizer,
                       model_name=config.model.served_name or config.model.source, config=config)
+
+
+def choose_kernels(platform: Platform, platform_reason: str) -> KernelSet:
+    """The kernels ``platform.capabilities`` allow, announced in one start-up line."""
+    from fd_core.model.kernels import select_kernels
+
+    kernels = select_kernels(platform.capabilities)
+    log.info("platform %s (%s); capabilities: %s; kernels: %s", platform.name, platform_reason,
+             " ".join(sorted(platform.capabilities)) or "none", kernels.describe())
+    return kernels
 
 
 def _max_model_len(config: FdConfig, arch: LlamaArchConfig) -> int:

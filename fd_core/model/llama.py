@@ -2,9 +2,11 @@
 
 Built from a :class:`~fd_core.model.arch.LlamaArchConfig` and Hugging Face named numpy
 weights. To keep per-layer Python overhead low, q/k/v are one matmul (their weights
-concatenated), gate/up are one matmul feeding ``swiglu``, residual adds are fused into
-``fused_rms_norm``, and RoPE (Hugging Face's non-interleaved ``rotate_half`` convention) is
-applied to q and k together with one ``roll``.
+concatenated), gate/up are one matmul feeding ``swiglu``, residual adds are folded into the
+RMSNorm kernel, and RoPE (Hugging Face's non-interleaved ``rotate_half`` convention) is applied
+to q and k together with one ``roll``. Swappable ops (RMSNorm) come in a
+:class:`~fd_core.model.kernels.KernelSet` chosen from the platform's capabilities; without one
+the model uses the portable kernels.
 """
 
 from __future__ import annotations
@@ -17,16 +19,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import paddle
 import paddle.nn.functional as F
-from paddle.incubate.nn.functional import fused_rms_norm
 
+from fd_core.model.kernels import PORTABLE_KERNELS
 from fd_kernels.paged_attention import paged_attention, write_kv_cache
 
 if TYPE_CHECKING:
     from fd_core.model.arch import LlamaArchConfig
+    from fd_core.model.kernels import KernelSet
     from fd_core.runner.attention_metadata import AttentionMetadata
     from fd_core.runner.kv_cache import LayerKVCache
 
-#: Compute dtypes the model accepts; float32 is the tested path.
+#: Compute dtypes the model accepts (the platform says which it runs); float32 is the tested path.
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 
@@ -63,7 +66,7 @@ class LlamaForCausalLM:
     """A Llama-shaped causal LM whose attention reads and writes a paged KV cache."""
 
     def __init__(self, arch: LlamaArchConfig, weights: Mapping[str, np.ndarray], *,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", kernels: KernelSet = PORTABLE_KERNELS) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         expected = _weight_shapes(arch)
@@ -76,11 +79,9 @@ class LlamaForCausalLM:
         if wrong:
             raise ValueError(f"{len(wrong)} weights have the wrong shape for the config, "
                              f"e.g. {wrong[:3]}")
-        if dtype != "float32" and paddle.get_device() == "cpu":
-            raise ValueError(f"model dtype {dtype!r} needs a GPU build: Paddle's CPU matmul and "
-                             "fused_rms_norm kernels are float32-only; use dtype='float32'")
         self.arch = arch
         self.dtype = dtype
+        self.kernels = kernels
         # Attention's 1/sqrt(head_dim) is folded into q_proj (RoPE is linear, so it commutes).
         q_scale = 1.0 / math.sqrt(arch.head_dim)
 
@@ -118,10 +119,7 @@ class LlamaForCausalLM:
     def _norm(self, x: paddle.Tensor, weight: paddle.Tensor,
               residual: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor]:
         """RMSNorm of ``x + residual``; returns (normed, the new residual stream)."""
-        if residual is None:
-            return fused_rms_norm(x, weight, None, self.arch.rms_norm_eps, 1)[0], x
-        out, residual = fused_rms_norm(x, weight, None, self.arch.rms_norm_eps, 1, residual=residual)
-        return out, residual
+        return self.kernels.rms_norm(x, weight, self.arch.rms_norm_eps, residual)
 
     def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor,
                 attn: AttentionMetadata, kv_caches: Sequence[LayerKVCache]) -> paddle.Tensor:

@@ -7,21 +7,24 @@ request is decided elsewhere (the resource manager) and arrives in each row's bl
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import numpy as np
 import paddle
 
+from fd_core.model.kernels import PORTABLE_KERNELS
 from fd_core.model.llama import LlamaForCausalLM
-from fd_core.outputs import StepResult
+from fd_core.outputs import ScheduledRequest, StepPlan, StepResult
+from fd_core.request import Request, SamplingParams
 from fd_core.runner.attention_metadata import build_attention_metadata, order_rows
 from fd_core.runner.kv_cache import allocate_kv_caches
 
 if TYPE_CHECKING:
     from fd_core.model.arch import LlamaArchConfig
-    from fd_core.outputs import SampledToken, StepPlan
-    from fd_core.request import Request
+    from fd_core.model.kernels import KernelSet
+    from fd_core.outputs import SampledToken
 
 
 class TokenSampler(Protocol):
@@ -36,17 +39,23 @@ class TokenSampler(Protocol):
         ...
 
 
+#: Prompt tokens of the warm-up request (then one decode step).
+WARMUP_PROMPT_TOKENS: Final = 8
+
+
 class ModelRunner:
     """Runs :class:`StepPlan` batches of a Llama-family model on one paddle device.
 
     ``device`` becomes paddle's current device and ``num_threads`` (default: the CPUs this
     process may run on) its CPU math thread count; both are process-wide, as a runner owns
     its worker process. ``kv_caches`` is public so connectors can read and fill blocks.
+    ``kernels`` are the swappable ops chosen from the platform's capabilities (default: portable).
     """
 
     def __init__(self, arch: LlamaArchConfig, weights: Mapping[str, np.ndarray], *, num_blocks: int,
                  block_size: int, dtype: str = "float32", device: str = "cpu",
-                 sampler: TokenSampler, num_threads: int | None = None) -> None:
+                 sampler: TokenSampler, num_threads: int | None = None,
+                 kernels: KernelSet = PORTABLE_KERNELS) -> None:
         paddle.set_device(device)
         # Paddle's CPU kernels default to one thread; decode matmuls scale with cores.
         paddle.base.core.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
@@ -55,7 +64,9 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.sampler = sampler
-        self.model = LlamaForCausalLM(arch, weights, dtype=dtype)
+        self.kernels = kernels
+        self.warm_up_seconds: float | None = None   # set by warm_up()
+        self.model = LlamaForCausalLM(arch, weights, dtype=dtype, kernels=kernels)
         self.kv_caches = allocate_kv_caches(arch, num_blocks=num_blocks, block_size=block_size,
                                             dtype=dtype)
 
@@ -92,6 +103,29 @@ class ModelRunner:
         sampled = self.sampler.sample(logits, requests)
         return StepResult(sampled={req.request_id: token
                                    for req, token in zip(requests, sampled, strict=True)})
+
+    def warm_up(self) -> float:
+        """Run a short prefill, then one decode step, through the chosen kernels; returns seconds.
+
+        Called once at start-up, before the engine reports ready, so that a kernel this machine
+        cannot run fails (or crashes the process) there rather than on a client's request. It
+        writes the first blocks of the pool, which are free at that point (every block is written
+        before it is read), and leaves no sampler state behind.
+        """
+        begin = time.perf_counter()
+        request = Request("fd-warm-up", [t % self.arch.vocab_size for t in range(1, WARMUP_PROMPT_TOKENS + 1)],
+                          sampling_params=SamplingParams(temperature=0.0, max_tokens=2))
+        blocks = list(range(-(-(WARMUP_PROMPT_TOKENS + 1) // self.block_size)))
+        assert len(blocks) <= self.num_blocks, "the KV pool is too small for the warm-up request"
+        try:
+            for start, count in ((0, WARMUP_PROMPT_TOKENS), (WARMUP_PROMPT_TOKENS, 1)):
+                result = self.execute(StepPlan([ScheduledRequest(request, start, count, blocks, sample=True)]))
+                request.num_computed_tokens = start + count
+                request.output_token_ids.append(result.sampled[request.request_id].token_id)
+        finally:
+            self.release([request.request_id])
+        self.warm_up_seconds = time.perf_counter() - begin
+        return self.warm_up_seconds
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget finished or aborted requests' sampler state (their blocks are freed elsewhere)."""

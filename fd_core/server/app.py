@@ -2,7 +2,10 @@
 
 The HTTP server answers as soon as it is bound; the engine process and the front end's
 tokenizer load in the background (``/health`` is 503 "starting" until both are ready). A
-start-up failure is reported through ``on_fatal``, which stops the server with an error.
+start-up failure is reported through ``on_fatal`` with :data:`EXIT_START_FAILED`, which stops
+the server with an error. An engine process that dies while serving is reported the same way
+with :data:`EXIT_ENGINE_DIED`, ``server.exit_after_engine_death_s`` later (requests in flight
+have been answered with the cause by then).
 Every error leaves as OpenAI's error body, including FastAPI's own validation errors (400,
 not 422) and unknown routes.
 """
@@ -13,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,11 +36,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: fd-serve's exit code when the engine cannot start.
+EXIT_START_FAILED: Final = 1
+#: fd-serve's exit code when the engine process died while serving (restart the server).
+EXIT_ENGINE_DIED: Final = 3
 
-def create_app(config: FdConfig, *, on_fatal: Callable[[str], None], log_level: str = "INFO") -> FastAPI:
-    """The application for ``config``; ``on_fatal(message)`` is called if the engine cannot start."""
+
+def create_app(config: FdConfig, *, on_fatal: Callable[[str, int], None], log_level: str = "INFO") -> FastAPI:
+    """The application for ``config``; ``on_fatal(message, exit_code)`` stops the server."""
+
+    def on_engine_death(reason: str) -> None:
+        asyncio.get_running_loop().call_later(config.server.exit_after_engine_death_s, on_fatal,
+                                              f"{reason}; exiting so that a supervisor restarts fd-serve",
+                                              EXIT_ENGINE_DIED)
+
     metrics = ServerMetrics()
-    client = EngineClient(config, log_level=log_level, on_finished=metrics.observe)
+    client = EngineClient(config, log_level=log_level, on_finished=metrics.observe, on_dead=on_engine_death)
     state = ServerState(config=config, model_name=config.model.served_name or config.model.source,
                         client=client, metrics=metrics)
 
@@ -62,7 +76,7 @@ def create_app(config: FdConfig, *, on_fatal: Callable[[str], None], log_level: 
     return app
 
 
-async def _start(state: ServerState, on_fatal: Callable[[str], None]) -> None:
+async def _start(state: ServerState, on_fatal: Callable[[str, int], None]) -> None:
     """Fetch the model if it is an alias, then start the engine and load the tokenizer side by side."""
     from fd_core.model.default_model import MODEL_ALIASES, resolve_alias
     from fd_core.model.loader import load_tokenizer
@@ -76,11 +90,11 @@ async def _start(state: ServerState, on_fatal: Callable[[str], None]) -> None:
         await state.client.start(timeout=state.config.server.engine_start_timeout_s)
         state.tokenizer = await tokenizer
     except FdError as exc:
-        on_fatal(str(exc))
+        on_fatal(str(exc), EXIT_START_FAILED)
         return
     except Exception as exc:  # a bug, but the server must not sit there unhealthy forever
         log.exception("start-up failed")
-        on_fatal(f"start-up failed: {type(exc).__name__}: {exc}")
+        on_fatal(f"start-up failed: {type(exc).__name__}: {exc}", EXIT_START_FAILED)
         return
     state.limits = Limits.from_info(state.client.info)
     log.info("serving %s (max_model_len %d)", state.model_name, state.limits.max_model_len)

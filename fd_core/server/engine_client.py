@@ -5,9 +5,11 @@ sockets in a private temporary folder, and runs two tasks on the event loop: a s
 drains an outbox (so that aborts can be queued from synchronous code, even from a cancelled
 task) and a reader that routes OUTPUTS to the :class:`RequestStream` owning each request id.
 
-The engine's life is watched through its process sentinel: when it exits unexpectedly every
-pending acknowledgement and every open stream fails with :class:`EngineDeadError`, so no
-request hangs.
+The engine's life is watched through its process sentinel: when it exits unexpectedly it is
+reaped, and every pending acknowledgement and every open stream fails with
+:class:`EngineDeadError` naming how it ended (exit code, or signal and likely cause) and, during
+start-up, the stage it was in; no request hangs. ``on_dead(reason)`` then tells the server,
+which exits so that a supervisor restarts it (docs/server.md).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from fd_core.errors import EngineDeadError, FdError, QueueFullError, RequestError
+from fd_core.exit_status import describe_exit
 from fd_core.server import wire
 from fd_core.server.engine_process import run_engine_process
 
@@ -43,6 +46,9 @@ log = logging.getLogger(__name__)
 STATS_TIMEOUT_S: Final = 5.0
 #: How long shutdown waits for the engine process to exit after SHUTDOWN before killing it.
 ENGINE_EXIT_TIMEOUT_S: Final = 10.0
+#: How long reaping waits once the sentinel said the process ended (it is a zombie within
+#: microseconds; without the wait the exit code could still read None).
+REAP_TIMEOUT_S: Final = 5.0
 
 
 class EngineState(enum.Enum):
@@ -94,14 +100,18 @@ class EngineClient:
     """Runs the engine process and talks to it; every method runs on the server's event loop."""
 
     def __init__(self, config: FdConfig, *, log_level: str = "INFO",
-                 on_finished: Callable[[RequestOutput], None] | None = None) -> None:
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_dead: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.state = EngineState.STARTING
         self.dead_reason: str | None = None
+        #: What the engine is doing while STARTING (its last STARTING message).
+        self.stage = "starting the engine process"
         #: The engine's READY info (model_name, max_model_len, vocab_size, num_blocks, block_size).
         self.info: dict[str, Any] = {}
         self._log_level = log_level
         self._on_finished = on_finished
+        self._on_dead = on_dead
         self._dir = Path(tempfile.mkdtemp(prefix="fd-serve-"))
         self._context = zmq.asyncio.Context()
         self._push = self._context.socket(zmq.PUSH)
@@ -250,6 +260,9 @@ class EngineClient:
                 future = self._stats.get(message[1])
                 if future is not None and not future.done():
                     future.set_result(message[2])
+            elif kind == wire.STARTING:
+                self.stage = message[1]
+                log.info("engine start-up: %s", self.stage)
             elif kind == wire.READY:
                 self.info = message[1]
                 self.state = EngineState.READY
@@ -286,18 +299,25 @@ class EngineClient:
         process = self._process
         assert process is not None
         asyncio.get_running_loop().remove_reader(process.sentinel)
-        process.join(0)
+        process.join(REAP_TIMEOUT_S)
         if self.state is EngineState.DEAD:
             return
-        self._die(self.dead_reason or f"the engine process exited unexpectedly (exit code {process.exitcode})")
+        how = describe_exit(process.exitcode)
+        if self.state is EngineState.STARTING:
+            self._die(f"the engine process died during start-up ({self.stage}): {how}")
+        else:
+            self._die(f"the engine process died: {how}")
 
     def _die(self, reason: str) -> None:
         if self.state is EngineState.DEAD:
             return
+        was_serving = self.state is EngineState.READY
         log.error("%s", reason)
         self.state = EngineState.DEAD
         self.dead_reason = reason
         self._fail_pending(EngineDeadError(reason))
+        if was_serving and self._on_dead is not None:
+            self._on_dead(reason)
 
     def _fail_pending(self, error: EngineDeadError) -> None:
         if self._ready is not None and not self._ready.done():

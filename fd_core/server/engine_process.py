@@ -10,12 +10,15 @@ Three threads share the EngineCore (whose front door is thread-safe):
 
 Both sender threads use the one output socket under a lock (zmq sockets are not thread-safe).
 SIGINT and SIGTERM are ignored here: the front end decides when the engine stops (it drains
-in-flight requests first), and kills it only as a last resort.
+in-flight requests first), and kills it only as a last resort. Start-up stages are announced
+(STARTING) before they run and ``faulthandler`` is on, so that if a native kernel kills the
+process the front end can say in which stage, and the log shows the Python stack that ran it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
@@ -27,6 +30,8 @@ from fd_core.errors import FdError, QueueFullError, RequestError
 from fd_core.server import wire
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import zmq
 
     from fd_core.config import FdConfig
@@ -44,6 +49,7 @@ def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.enable()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
     parent_pid = os.getppid()
     context = zmq.Context()
@@ -52,7 +58,7 @@ def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_
     output.connect(output_addr)
     sender = _Sender(output)
     try:
-        engine = _build(config)
+        engine = _build(config, progress=lambda stage: sender.send([wire.STARTING, stage]))
     except BaseException as exc:
         sender.send([wire.FAILED, _describe(exc)])
         output.close()
@@ -63,7 +69,9 @@ def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_
     input_.connect(input_addr)
     sender.send([wire.READY, {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
                               "vocab_size": engine.runner.arch.vocab_size, "num_blocks": engine.limits.num_blocks,
-                              "block_size": engine.limits.block_size}])
+                              "block_size": engine.limits.block_size,
+                              "kernels": engine.runner.kernels.describe(),
+                              "warm_up_s": engine.runner.warm_up_seconds}])
     stop = threading.Event()
     threads = [
         threading.Thread(target=_input_loop, args=(engine, input_, sender, stop, parent_pid), name="fd-engine-input"),
@@ -82,10 +90,10 @@ def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_
         context.term()
 
 
-def _build(config: FdConfig) -> EngineCore:
+def _build(config: FdConfig, progress: Callable[[str], None]) -> EngineCore:
     from fd_core.engine.builder import build_engine
 
-    return build_engine(config)
+    return build_engine(config, progress=progress)
 
 
 def _describe(exc: BaseException) -> str:

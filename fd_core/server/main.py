@@ -2,7 +2,8 @@
 
 On the signal the server drains: new requests get 503, the listening socket closes, requests
 in flight finish (bounded by ``server.shutdown_timeout_s``), then the engine process stops and
-``serve`` returns 0. It returns 1 when the engine cannot start.
+``serve`` returns 0. It returns 1 when the engine cannot start, and 3 when the engine process
+died while serving (after ``server.exit_after_engine_death_s``), so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ def serve(config: FdConfig) -> int:
     log_level = logging.getLevelName(root.getEffectiveLevel())
     exit_code = 0
 
-    def on_fatal(message: str) -> None:
+    def on_fatal(message: str, code: int) -> None:
         nonlocal exit_code
         print(f"fd-serve: error: {message}", file=sys.stderr, flush=True)
-        exit_code = 1
+        exit_code = code
         server.should_exit = True
 
     app = create_app(config, on_fatal=on_fatal, log_level=log_level)

@@ -72,9 +72,17 @@ api = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 when the engine serves; 503 while starting, draining or after it died."""
-    status, reason = _state(request).status()
-    return JSONResponse({"status": status, "reason": reason}, status_code=200 if status == "ok" else 503)
+    """200 when the engine serves; 503 while starting, draining or after it died.
+
+    Once the engine is up the body also names its kernels and how long its warm-up took.
+    """
+    state = _state(request)
+    status, reason = state.status()
+    body: dict[str, Any] = {"status": status, "reason": reason}
+    info = state.client.info
+    if info:
+        body["engine"] = {"kernels": info.get("kernels"), "warm_up_s": info.get("warm_up_s")}
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 
 @router.get("/metrics")

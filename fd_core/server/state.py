@@ -45,8 +45,10 @@ class ServerState:
             return "dead", self.client.dead_reason
         if state is EngineState.STOPPED:
             return "dead", "the engine is stopped"
+        if state is EngineState.STARTING:
+            return "starting", f"the engine is starting: {self.client.stage}"
         if not self.ready:
-            return "starting", "the engine is loading the model"
+            return "starting", "the front end is loading the tokenizer"
         return "ok", None
 
     def check_serving(self) -> None:

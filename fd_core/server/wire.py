@@ -9,7 +9,9 @@ Every message is one list whose first item is its kind. Front end -> engine (one
 
 Engine -> front end (a second PUSH/PULL pair)::
 
-    [READY, {"model_name", "max_model_len", "vocab_size", "num_blocks", "block_size"}]
+    [STARTING, stage]                                  start-up progress, e.g. "loading the model"
+    [READY, {"model_name", "max_model_len", "vocab_size", "num_blocks", "block_size",
+             "kernels", "warm_up_s"}]
     [FAILED, message]                                  the engine could not start
     [ACK, request_id]                                  add_request accepted it
     [REJECT, request_id, kind, field, message]         kind: "invalid" or "queue_full"
@@ -45,6 +47,7 @@ ACK: Final = 12
 REJECT: Final = 13
 OUTPUTS: Final = 14
 STATS_REPLY: Final = 15
+STARTING: Final = 16
 
 #: REJECT kinds.
 INVALID: Final = "invalid"

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import ClassVar, Final
+from typing import ClassVar, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fd_core.contracts.platform import DetectResult, MemoryProfile, Platform
+from fd_core.contracts.platform import FUSED_RMS_NORM, PAGED_ATTENTION, DetectResult, MemoryProfile, Platform
+from fd_plugins.platforms import cpu_features
 
 #: Environment variables that size the thread pools of OpenMP, MKL and OpenBLAS.
 _THREAD_VARS: Final = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -20,6 +21,9 @@ class CpuSettings(BaseModel):
 
     num_threads: int | None = Field(
         None, ge=1, description="Math threads per worker (Paddle, OpenMP, MKL); None: every usable CPU.")
+    kernels: Literal["auto", "portable"] = Field(
+        "auto", description="'auto': kernels chosen by the CPU's features; 'portable': plain Paddle "
+                            "ops only, on any CPU (declares no ISA capability).")
 
 
 def read_meminfo(path: str = "/proc/meminfo") -> MemoryProfile:
@@ -32,21 +36,43 @@ def read_meminfo(path: str = "/proc/meminfo") -> MemoryProfile:
     return MemoryProfile(total_bytes=fields["MemTotal"], free_bytes=fields["MemAvailable"])
 
 
+def cpu_capabilities(features: cpu_features.CpuFeatures, kernels: str) -> frozenset[str]:
+    """What the cpu platform declares: its ISA features, and the Paddle kernels they make safe.
+
+    Paddle's CPU ``fused_rms_norm`` runs AVX-512 code without checking the CPU (SIGILL on
+    AVX2-only machines), so it is declared only where ``avx512f`` is present.
+    """
+    if kernels == "portable":
+        return frozenset({PAGED_ATTENTION})
+    declared = {PAGED_ATTENTION, *features.present}
+    if "avx512f" in features.present:
+        declared.add(FUSED_RMS_NORM)
+    return frozenset(declared)
+
+
 class CpuPlatform(Platform):
-    """Float32 execution on the host CPU; the fallback when no accelerator is found."""
+    """Float32 execution on the host CPU; the fallback when no accelerator is found.
+
+    Capabilities follow the CPU it runs on (:func:`cpu_capabilities`), probed once per instance.
+    """
 
     name: ClassVar[str] = "cpu"
     fd_hookspec_version: ClassVar[int] = 1
     settings_model: ClassVar[type[BaseModel] | None] = CpuSettings
     priority: ClassVar[int] = 0
-    capabilities: ClassVar[frozenset[str]] = frozenset({"paged_attention"})
 
     def __init__(self, settings: BaseModel | None = None) -> None:
         super().__init__(settings if settings is not None else CpuSettings())
+        assert isinstance(self.settings, CpuSettings)
+        self.features = cpu_features.probe_cpu_features()
+        self.capabilities = cpu_capabilities(self.features, self.settings.kernels)
 
     @classmethod
     def detect(cls) -> DetectResult:
-        return DetectResult(True, f"host CPU ({len(os.sched_getaffinity(0))} usable cores)", 1)
+        """Always available; the reason names the CPU model, its features and usable cores."""
+        features = cpu_features.probe_cpu_features()
+        return DetectResult(True, f"host CPU {features.describe()} "
+                                  f"({len(os.sched_getaffinity(0))} usable cores)", 1)
 
     def device_string(self, local_rank: int = 0) -> str:
         return "cpu"

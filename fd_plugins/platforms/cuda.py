@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from pydantic import BaseModel
 
-from fd_core.contracts.platform import DetectResult, MemoryProfile, Platform
+from fd_core.contracts.platform import FLOAT16, FUSED_RMS_NORM, PAGED_ATTENTION, DetectResult, MemoryProfile, Platform
 from fd_plugins.platforms._probes import ProbeUnavailable, detect_with, smallest
 from fd_plugins.platforms._settings import DeviceSettings
 
@@ -51,7 +51,7 @@ class CudaPlatform(Platform):
     fd_hookspec_version: ClassVar[int] = 1
     settings_model: ClassVar[type[BaseModel] | None] = CudaSettings
     priority: ClassVar[int] = 50
-    capabilities: ClassVar[frozenset[str]] = frozenset({"paged_attention", "float16"})
+    capabilities = frozenset({PAGED_ATTENTION, FLOAT16, FUSED_RMS_NORM})
 
     def __init__(self, settings: BaseModel | None = None) -> None:
         super().__init__(settings if settings is not None else CudaSettings())

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 from pydantic import BaseModel
 
+from fd_core.contracts.platform import PAGED_ATTENTION
 from fd_plugins.platforms._custom import CustomDevicePlatform
 from fd_plugins.platforms._settings import DeviceSettings
 
@@ -22,7 +23,7 @@ class HpuPlatform(CustomDevicePlatform):
     fd_hookspec_version: ClassVar[int] = 1
     settings_model: ClassVar[type[BaseModel] | None] = HpuSettings
     priority: ClassVar[int] = 30
-    capabilities: ClassVar[frozenset[str]] = frozenset({"paged_attention"})
+    capabilities = frozenset({PAGED_ATTENTION})
     device_type: ClassVar[str] = "intel_hpu"
     device_label: ClassVar[str] = "Intel HPU"
     visible_devices_var: ClassVar[str] = "INTEL_HPU_VISIBLE_DEVICES"

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 from pydantic import BaseModel
 
+from fd_core.contracts.platform import FLOAT16, PAGED_ATTENTION
 from fd_plugins.platforms._custom import CustomDevicePlatform
 from fd_plugins.platforms._settings import DeviceSettings
 
@@ -22,7 +23,7 @@ class IluvatarPlatform(CustomDevicePlatform):
     fd_hookspec_version: ClassVar[int] = 1
     settings_model: ClassVar[type[BaseModel] | None] = IluvatarSettings
     priority: ClassVar[int] = 20
-    capabilities: ClassVar[frozenset[str]] = frozenset({"paged_attention", "float16"})
+    capabilities = frozenset({PAGED_ATTENTION, FLOAT16})
     device_type: ClassVar[str] = "iluvatar_gpu"
     device_label: ClassVar[str] = "Iluvatar GPU"
     visible_devices_var: ClassVar[str] = "CUDA_VISIBLE_DEVICES"

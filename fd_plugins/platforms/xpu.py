@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from pydantic import BaseModel
 
-from fd_core.contracts.platform import DetectResult, MemoryProfile, Platform
+from fd_core.contracts.platform import FLOAT16, PAGED_ATTENTION, DetectResult, MemoryProfile, Platform
 from fd_plugins.platforms._probes import ProbeUnavailable, detect_with, smallest
 from fd_plugins.platforms._settings import DeviceSettings
 
@@ -41,7 +41,7 @@ class XpuPlatform(Platform):
     fd_hookspec_version: ClassVar[int] = 1
     settings_model: ClassVar[type[BaseModel] | None] = XpuSettings
     priority: ClassVar[int] = 40
-    capabilities: ClassVar[frozenset[str]] = frozenset({"paged_attention", "float16"})
+    capabilities = frozenset({PAGED_ATTENTION, FLOAT16})
 
     def __init__(self, settings: BaseModel | None = None) -> None:
         super().__init__(settings if settings is not None else XpuSettings())

@@ -1,4 +1,8 @@
-"""The default SmolLM2 GGUF through the whole engine gives Hugging Face's greedy tokens (float32)."""
+"""The default SmolLM2 GGUF through the whole engine gives Hugging Face's greedy tokens (float32).
+
+Once with the cpu platform's portable kernels forced, once with what it picks on this host
+(skipped where that is the same set: a CPU without AVX-512).
+"""
 
 from __future__ import annotations
 
@@ -19,12 +23,25 @@ QUESTIONS = [
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def engine():
+def _host_selects_portable() -> bool:
+    from fd_core.model.kernels import PORTABLE_KERNELS, select_kernels
+    from fd_plugins.platforms.cpu import CpuPlatform
+
+    return select_kernels(CpuPlatform().capabilities).describe() == PORTABLE_KERNELS.describe()
+
+
+@pytest.fixture(scope="module", params=["portable", "auto"])
+def engine(request):
     from fd_core.engine.llm import LLM
 
-    return LLM("smollm2-135m-instruct", cache={"num_blocks": 256, "block_size": 16},
-               engine={"max_num_seqs": 8, "max_num_batched_tokens": 256})
+    if request.param == "auto" and _host_selects_portable():
+        pytest.skip("this host selects the portable kernels too (no avx512f)")
+    llm = LLM("smollm2-135m-instruct", cache={"num_blocks": 256, "block_size": 16},
+              engine={"max_num_seqs": 8, "max_num_batched_tokens": 256},
+              platform={"name": "cpu", "options": {"kernels": request.param}})
+    expected = "portable" if request.param == "portable" else "fused"
+    assert llm.engine.runner.kernels.chosen["rms_norm"].name == expected
+    return llm
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,8 @@
-"""The paged Paddle Llama reproduces Hugging Face transformers (the correctness oracle)."""
+"""The paged Paddle Llama reproduces Hugging Face transformers (the correctness oracle).
+
+Run with the portable kernels forced, and with the kernels this host's cpu platform selects
+when those differ (the fused RMSNorm on AVX-512 machines).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,12 @@ import numpy as np
 import pytest
 
 from fd_core.model.arch import LlamaArchConfig
+from fd_core.model.kernels import PORTABLE_KERNELS, KernelSet, select_kernels
 from fd_core.outputs import ScheduledRequest, StepPlan
 from fd_core.request import Request
 from fd_core.runner.model_runner import ModelRunner
 from fd_kernels import paged_attention as pa
+from fd_plugins.platforms.cpu import CpuPlatform
 from tests.fd_core.model.tiny_llama import GreedySampler, random_weights, tiny_arch
 
 pytestmark = pytest.mark.hf
@@ -20,6 +26,15 @@ pytestmark = pytest.mark.hf
 NUM_PROMPTS = 8
 MAX_NEW = 32
 BLOCK_SIZE = 16
+HOST_KERNELS = select_kernels(CpuPlatform().capabilities)
+
+
+def kernel_sets() -> list:
+    """The portable kernels always; the host's choice too, where it is a different set."""
+    host_differs = HOST_KERNELS.describe() != PORTABLE_KERNELS.describe()
+    return [pytest.param(PORTABLE_KERNELS, id="portable"),
+            pytest.param(HOST_KERNELS, id="host", marks=pytest.mark.skipif(
+                not host_differs, reason=f"this host selects the portable kernels too ({HOST_KERNELS.describe()})"))]
 
 
 def _save_hf_folder(arch: LlamaArchConfig, weights: dict[str, np.ndarray], folder: Path) -> None:
@@ -62,14 +77,14 @@ def _hf_greedy(folder: Path, prompts: list[list[int]]) -> tuple[list[list[int]],
     return tokens, logits
 
 
-def _ours_greedy(arch: LlamaArchConfig, weights: dict[str, np.ndarray],
-                 prompts: list[list[int]]) -> tuple[list[list[int]], list[np.ndarray]]:
+def _ours_greedy(arch: LlamaArchConfig, weights: dict[str, np.ndarray], prompts: list[list[int]],
+                 kernels: KernelSet) -> tuple[list[list[int]], list[np.ndarray]]:
     """Greedy tokens through ModelRunner: all prompts prefilled in one step, then batched decode."""
     sampler = GreedySampler()
     blocks_each = -(-(max(map(len, prompts)) + MAX_NEW) // BLOCK_SIZE)
     order = np.random.default_rng(0).permutation(NUM_PROMPTS * blocks_each)
     runner = ModelRunner(arch, weights, num_blocks=NUM_PROMPTS * blocks_each,
-                         block_size=BLOCK_SIZE, sampler=sampler)
+                         block_size=BLOCK_SIZE, sampler=sampler, kernels=kernels)
     reqs = [Request(f"p{i}", p) for i, p in enumerate(prompts)]
     tables = {r.request_id: order[i * blocks_each:(i + 1) * blocks_each].tolist()
               for i, r in enumerate(reqs)}
@@ -84,8 +99,9 @@ def _ours_greedy(arch: LlamaArchConfig, weights: dict[str, np.ndarray],
             [np.stack(sampler.logits[r.request_id]) for r in reqs])
 
 
+@pytest.mark.parametrize("kernels", kernel_sets())
 @pytest.mark.parametrize("variant", ["llama-untied", "llama-tied", "qwen2-bias"])
-def test_greedy_tokens_and_logits_match_transformers(tmp_path: Path, variant: str) -> None:
+def test_greedy_tokens_and_logits_match_transformers(tmp_path: Path, variant: str, kernels: KernelSet) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     arch = tiny_arch(tie=variant == "llama-tied", bias=variant == "qwen2-bias",
@@ -98,7 +114,7 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path: Path, variant: st
     prompts[0] += rng.integers(0, arch.vocab_size, 2 * pa.PREFILL_CHUNK + 20).tolist()
 
     expected_tokens, expected_logits = _hf_greedy(tmp_path / "model", prompts)
-    tokens, logits = _ours_greedy(arch, weights, prompts)
+    tokens, logits = _ours_greedy(arch, weights, prompts, kernels)
 
     assert any(len(set(t)) > 4 for t in expected_tokens), "greedy output is degenerate"
     assert tokens == expected_tokens

@@ -1,4 +1,4 @@
-"""Tests for the cpu platform, on the real host (nothing faked)."""
+"""Tests for the cpu platform: on the real host, and with the CPU feature probe faked."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from fd_core.contracts.platform import FUSED_RMS_NORM, PAGED_ATTENTION
+from fd_plugins.platforms import cpu_features
 from fd_plugins.platforms.cpu import CpuPlatform, CpuSettings, read_meminfo
+from fd_plugins.platforms.cpu_features import ISA_FEATURES, CpuFeatures
 
 
 def test_detect_is_available_here() -> None:
@@ -56,3 +59,35 @@ def test_device_and_dtypes() -> None:
     platform = CpuPlatform()
     assert platform.device_string(3) == "cpu"
     assert platform.supported_dtypes() == ("float32",)
+
+
+AVX2_ONLY = CpuFeatures("AMD EPYC 7B13", frozenset({"avx2", "fma"}), "/proc/cpuinfo")
+AVX512 = CpuFeatures("Intel Xeon 8481C", frozenset(ISA_FEATURES), "/proc/cpuinfo")
+
+
+@pytest.mark.parametrize(("features", "fused"), [(AVX2_ONLY, False), (AVX512, True)])
+def test_capabilities_follow_the_probed_cpu(monkeypatch: pytest.MonkeyPatch, features: CpuFeatures,
+                                            fused: bool) -> None:
+    monkeypatch.setattr(cpu_features, "probe_cpu_features", lambda: features)
+    platform = CpuPlatform()
+    assert platform.features is features
+    assert (FUSED_RMS_NORM in platform.capabilities) is fused
+    assert features.present | {PAGED_ATTENTION} <= platform.capabilities
+    assert features.model_name in CpuPlatform.detect().reason
+
+
+@pytest.mark.parametrize("features", [AVX2_ONLY, AVX512])
+def test_portable_kernels_declare_no_isa_capability(monkeypatch: pytest.MonkeyPatch, features: CpuFeatures) -> None:
+    monkeypatch.setattr(cpu_features, "probe_cpu_features", lambda: features)
+    assert CpuPlatform(CpuSettings(kernels="portable")).capabilities == {PAGED_ATTENTION}
+
+
+def test_kernels_option_is_validated() -> None:
+    with pytest.raises(pydantic.ValidationError, match="kernels"):
+        CpuSettings.model_validate({"kernels": "fast"})
+
+
+def test_detect_reason_lists_the_hosts_features() -> None:
+    reason = CpuPlatform.detect().reason
+    for feature in ISA_FEATURES:
+        assert feature in reason
