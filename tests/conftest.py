@@ -1,4 +1,5 @@
-"""Shared fixtures: the pip-installed demo plugin packages and a subprocess fd-serve runner."""
+"""Shared fixtures (the pip-installed demo plugin packages, a subprocess fd-serve runner), and
+the host CPU check that runs first and stops the run if the model cannot run on this CPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,22 @@ from pathlib import Path
 import pytest
 
 PLUGIN_PACKAGES = Path(__file__).parent / "plugins"
+#: The test that must pass before any test runs the model in this process (tests/test_host_cpu.py).
+HOST_CPU_CHECK = "test_host_cpu.py::test_a_forward_pass_runs_on_this_cpu"
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the host CPU check before everything else."""
+    items.sort(key=lambda item: not item.nodeid.endswith(HOST_CPU_CHECK))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """Stop the run when the host CPU check fails: the next model test would kill pytest silently."""
+    report = yield
+    if report.failed and item.nodeid.endswith(HOST_CPU_CHECK):
+        item.session.shouldstop = "this CPU cannot run the model's kernels (see the failure above)"
+    return report
 
 
 def _pip(*args: str) -> None:

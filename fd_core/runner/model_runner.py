@@ -6,9 +6,12 @@ request is decided elsewhere (the resource manager) and arrives in each row's bl
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
+import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Final, Protocol
 
 import numpy as np
@@ -110,20 +113,22 @@ class ModelRunner:
         Called once at start-up, before the engine reports ready, so that a kernel this machine
         cannot run fails (or crashes the process) there rather than on a client's request. It
         writes the first blocks of the pool, which are free at that point (every block is written
-        before it is read), and leaves no sampler state behind.
+        before it is read), and leaves no sampler state behind. If a native kernel kills the
+        process, ``faulthandler`` prints the Python stack that called it (the kernel's name).
         """
         begin = time.perf_counter()
         request = Request("fd-warm-up", [t % self.arch.vocab_size for t in range(1, WARMUP_PROMPT_TOKENS + 1)],
                           sampling_params=SamplingParams(temperature=0.0, max_tokens=2))
         blocks = list(range(-(-(WARMUP_PROMPT_TOKENS + 1) // self.block_size)))
         assert len(blocks) <= self.num_blocks, "the KV pool is too small for the warm-up request"
-        try:
-            for start, count in ((0, WARMUP_PROMPT_TOKENS), (WARMUP_PROMPT_TOKENS, 1)):
-                result = self.execute(StepPlan([ScheduledRequest(request, start, count, blocks, sample=True)]))
-                request.num_computed_tokens = start + count
-                request.output_token_ids.append(result.sampled[request.request_id].token_id)
-        finally:
-            self.release([request.request_id])
+        with _python_stack_on_crash():
+            try:
+                for start, count in ((0, WARMUP_PROMPT_TOKENS), (WARMUP_PROMPT_TOKENS, 1)):
+                    result = self.execute(StepPlan([ScheduledRequest(request, start, count, blocks, sample=True)]))
+                    request.num_computed_tokens = start + count
+                    request.output_token_ids.append(result.sampled[request.request_id].token_id)
+            finally:
+                self.release([request.request_id])
         self.warm_up_seconds = time.perf_counter() - begin
         return self.warm_up_seconds
 
@@ -131,3 +136,25 @@ class ModelRunner:
         """Forget finished or aborted requests' sampler state (their blocks are freed elsewhere)."""
         for request_id in request_ids:
             self.sampler.forget(request_id)
+
+
+@contextlib.contextmanager
+def _python_stack_on_crash() -> Iterator[None]:
+    """Turn ``faulthandler`` on for the block (if it was off and stderr is a real file).
+
+    Enabled after Paddle is imported, it runs first on a fatal signal, then chains to Paddle's
+    own handler, which prints the C++ stack.
+    """
+    stderr = sys.__stderr__
+    if faulthandler.is_enabled() or stderr is None:
+        yield
+        return
+    try:
+        faulthandler.enable(file=stderr)
+    except (OSError, ValueError):  # no usable file descriptor (an embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        faulthandler.disable()

@@ -40,6 +40,14 @@ def test_plugins_list_shows_third_party_plugins_with_distribution_and_version():
     assert "loaded" in _row(result.stdout, "fd.schedulers", "local", "fd-engine")
 
 
+def test_platforms_show_their_detection_reason():
+    table = run_fd_serve("plugins", "list").stdout
+    cpu = _row(table, "fd.platforms", "cpu", "fd-engine")
+    assert "loaded — available: host CPU " in cpu and "usable cores" in cpu
+    assert "loaded — unavailable: paddle was built without CUDA" in _row(table, "fd.platforms", "cuda", "fd-engine")
+    assert "loaded — unavailable: FD_DEMO_DEVICE is not 1" in _row(table, "fd.platforms", "demo", "fd-demo-plugin")
+
+
 def test_broken_plugin_is_listed_as_failed_with_its_error():
     result = run_fd_serve("plugins", "list")
     row = _row(result.stdout, "fd.schedulers", "broken", "fd-other-plugins")

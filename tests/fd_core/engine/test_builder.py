@@ -1,15 +1,19 @@
-"""KV pool sizing from the platform's memory profile, the explicit override and its errors."""
+"""Engine start-up: KV pool sizing, kernel choice and its start-up line, dtype check, warm-up."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
 from fd_core.config import load_config
-from fd_core.engine.builder import ACTIVATION_RESERVE_BYTES, plan_kv_pool
+from fd_core.engine.builder import ACTIVATION_RESERVE_BYTES, build_engine, choose_kernels, plan_kv_pool
 from fd_core.errors import ConfigError
 from fd_core.model.arch import LlamaArchConfig
 from fd_core.runner.kv_cache import kv_cache_bytes_per_block
-from fd_plugins.platforms.cpu import CpuPlatform
+from fd_plugins.platforms import cpu_features
+from fd_plugins.platforms.cpu import CpuPlatform, CpuSettings
+from fd_plugins.platforms.cpu_features import ISA_FEATURES, CpuFeatures
 
 ARCH = LlamaArchConfig("LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -51,3 +55,52 @@ def test_too_little_memory_names_the_key():
     with pytest.raises(ConfigError, match=r"^cache\.memory_utilization: .* one 65536-token request needs"):
         plan_kv_pool(load_config(cache={"memory_utilization": 0.01}), huge, CpuPlatform(),
                      max_model_len=65536, weights_bytes=0)
+
+
+@pytest.mark.parametrize(("present", "chosen"), [({"avx2", "fma"}, "rms_norm=portable"),
+                                                 ({"avx2", "fma", "avx512f"}, "rms_norm=fused")])
+def test_start_up_line_shows_the_kernels_the_probed_cpu_allows(monkeypatch, caplog, present, chosen):
+    """The ISA probe faked both ways: the capability decides, and the one start-up line says so."""
+    features = CpuFeatures("Faked CPU 9000", frozenset(present), "/proc/cpuinfo")
+    monkeypatch.setattr(cpu_features, "probe_cpu_features", lambda: features)
+    platform = CpuPlatform()
+    with caplog.at_level(logging.INFO, logger="fd_core.engine.builder"):
+        kernels = choose_kernels(platform, "auto: " + CpuPlatform.detect().reason)
+    assert kernels.describe().startswith(chosen)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "Faked CPU 9000" in line and f"kernels: {chosen}" in line
+    assert ("lacks avx512f" in line) is ("avx512f" not in present)
+
+
+def test_forced_portable_kernels_on_an_avx512_cpu(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_features, "probe_cpu_features",
+                        lambda: CpuFeatures("Faked Xeon", frozenset(ISA_FEATURES), "/proc/cpuinfo"))
+    with caplog.at_level(logging.INFO, logger="fd_core.engine.builder"):
+        kernels = choose_kernels(CpuPlatform(CpuSettings(kernels="portable")), "explicit")
+    assert kernels.describe() == "rms_norm=portable (fused needs fused_rms_norm)"
+    assert "capabilities: paged_attention;" in caplog.records[0].getMessage()
+
+
+def test_a_dtype_the_platform_cannot_run_names_the_key(tmp_path):
+    config = load_config(model={"source": str(tmp_path / "unused"), "dtype": "bfloat16"})
+    with pytest.raises(ConfigError, match=r"^model\.dtype: 'bfloat16' is not supported by platform 'cpu'"):
+        build_engine(config)
+
+
+def test_the_engine_warms_up_before_it_is_returned(make_llm, caplog):
+    with caplog.at_level(logging.INFO, logger="fd_core.engine.builder"):
+        llm = make_llm()
+    messages = [r.getMessage() for r in caplog.records]
+    warm_up = next(i for i, m in enumerate(messages) if m.startswith("warm-up: a 8-token prefill and a decode step"))
+    kernels = next(i for i, m in enumerate(messages) if "kernels: rms_norm=" in m)
+    assert kernels < warm_up
+    assert llm.engine.runner.warm_up_seconds > 0
+    stats = llm.engine.resource_manager.stats()  # the warm-up took no block from the pool
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_progress_names_each_heavy_stage_before_it_runs(tiny_model_dir):
+    stages = []
+    build_engine(load_config(model={"source": tiny_model_dir}, cache={"num_blocks": 64}), progress=stages.append)
+    assert stages[0] == f"loading the model {tiny_model_dir!r}"
+    assert stages[-1].startswith("warm-up forward pass (kernels: rms_norm=")

@@ -1,4 +1,5 @@
-"""fd-serve's process life: SIGTERM drains in-flight requests and exits 0; a dead engine fails fast."""
+"""fd-serve's process life: SIGTERM drains in-flight requests and exits 0; warm-up comes before
+ready; a dead engine fails fast, is named by signal, and fd-serve exits 3 for its supervisor."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tiny_model, tmp_path
         assert not any("error" in json.loads(e) for e in events[:-1])
 
 
-def test_engine_death_turns_health_503_and_fails_in_flight_requests(tiny_model, tmp_path):
-    server = start_server(tmp_path, "--model.source", str(tiny_model), *TINY_ARGS)
+def test_engine_killed_by_sigkill_is_named_everywhere_then_fd_serve_exits_3(tiny_model, tmp_path):
+    server = start_server(tmp_path, "--model.source", str(tiny_model), *TINY_ARGS,
+                          "--server.exit_after_engine_death_s", "4")
     try:
         started = threading.Event()
         body = {"prompt": list(range(100, 120)), "max_tokens": 480, "ignore_eos": True}
@@ -63,16 +65,36 @@ def test_engine_death_turns_health_503_and_fails_in_flight_requests(tiny_model, 
             os.kill(server.engine_pid(), signal.SIGKILL)
             events = stream.result(timeout=30)
             response = plain.result(timeout=30)
+        cause = "the engine process died: SIGKILL: killed"
         assert events[-1] == "[DONE]"
-        error = json.loads(events[-2])["error"]
-        assert "engine process exited" in error["message"]
-        assert response.status_code == 503 and "engine process exited" in response.json()["error"]["message"]
+        assert cause in json.loads(events[-2])["error"]["message"]
+        assert response.status_code == 503 and cause in response.json()["error"]["message"]
         health = httpx.get(server.url + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "dead"
+        assert cause in health.json()["reason"]
         again = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
-        assert again.status_code == 503
+        assert again.status_code == 503 and cause in again.json()["error"]["message"]
+        # the documented recovery: exit non-zero so that a supervisor restarts the server
+        assert server.proc.wait(timeout=60) == 3, server.log()
+    finally:
+        server.stop()
+    log = server.log()
+    assert "exit code None" not in log
+    assert f"fd-serve: error: {cause}" in log and "exiting so that a supervisor restarts fd-serve" in log
+
+
+def test_health_says_ok_only_after_the_warm_up_ran(tiny_model, tmp_path):
+    server = start_server(tmp_path, "--model.source", str(tiny_model), *TINY_ARGS)
+    try:
+        health = httpx.get(server.url + "/health", timeout=10).json()
+        log = server.log()
     finally:
         assert server.stop() == 0
+    assert health["status"] == "ok"
+    assert health["engine"]["warm_up_s"] > 0
+    assert health["engine"]["kernels"].startswith("rms_norm=")
+    warm_up = log.index("warm-up: a 8-token prefill and a decode step took")
+    assert log.index("kernels: rms_norm=") < warm_up < log.index("engine ready:")
 
 
 def test_a_model_that_cannot_load_stops_start_up_with_the_reason(tmp_path):
@@ -81,3 +103,14 @@ def test_a_model_that_cannot_load_stops_start_up_with_the_reason(tmp_path):
     server.stop()
     log = server.log()
     assert "fd-serve: error:" in log and "no-such-model" in log and "not found" in log
+
+
+@pytest.mark.usefixtures("demo_plugins")
+def test_a_native_crash_during_start_up_names_the_signal_and_the_stage(tiny_model, tmp_path):
+    """fd-other-plugins' ``sigill`` platform kills its engine process with a real SIGILL."""
+    server = ServerProcess(["--model.source", str(tiny_model), "--platform.name", "sigill"], tmp_path / "server.log")
+    assert server.proc.wait(timeout=120) == 1
+    server.stop()
+    log = server.log()
+    assert (f"fd-serve: error: the engine process died during start-up (loading the model {str(tiny_model)!r}): "
+            "SIGILL: illegal instruction — a kernel uses a CPU feature this machine lacks") in log
