@@ -47,12 +47,12 @@ def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_
     """Process target: build the engine, announce READY (or FAILED) and serve until SHUTDOWN."""
     import zmq
 
-    import paddle  # noqa: F401  (before faulthandler, whose handler then chains to Paddle's)
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    faulthandler.enable()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
+    import paddle  # noqa: F401  (before faulthandler, whose handler then chains to Paddle's)
+
+    faulthandler.enable()
     parent_pid = os.getppid()
     context = zmq.Context()
     output = context.socket(zmq.PUSH)
