@@ -52,10 +52,11 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     ..."), so that a process watching this one can say where start-up failed, even when a
     native kernel kills the process.
     """
-    report = progress or (lambda stage: None)
     from fd_core.engine.core import EngineCore
     from fd_core.model.loader import load_model
     from fd_core.selection import resolve
+
+    report = progress or (lambda stage: None)
 
     selection = resolve(config, registry, apply_worker_env=True)
     platform: Platform = selection["platform"].create()

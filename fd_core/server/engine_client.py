@@ -107,7 +107,7 @@ class EngineClient:
         self.dead_reason: str | None = None
         #: What the engine is doing while STARTING (its last STARTING message).
         self.stage = "starting the engine process"
-        #: The engine's READY info (model_name, max_model_len, vocab_size, num_blocks, block_size).
+        #: The engine's READY info (see wire.READY: model_name, max_model_len, ..., kernels, warm_up_s).
         self.info: dict[str, Any] = {}
         self._log_level = log_level
         self._on_finished = on_finished
