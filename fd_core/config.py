@@ -9,10 +9,21 @@ plugin settings sit in ``<seam>.options`` and are validated against the selected
 from __future__ import annotations
 
 import contextvars
+import os
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
@@ -49,10 +60,15 @@ class CacheSection(_Section):
     """The paged KV cache."""
 
     block_size: int = Field(16, gt=0, description="Tokens per KV block.")
-    memory_utilization: float = Field(
-        0.3, gt=0, le=1, description="Share of device memory the engine may use (weights + KV).")
+    memory_utilization: float | None = Field(
+        None, gt=0, le=1, description=(
+            "Share of device memory the engine may use (weights + KV). Unset: 0.3, and a KV pool in "
+            "host memory (device 'cpu') is capped at 512 MiB so that a small machine is not filled; "
+            "set it (or `num_blocks`) to size the pool from memory alone."))
     num_blocks: int | None = Field(None, gt=0, description="Explicit KV block count; overrides the profile.")
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes (v1).")
+    enable_prefix_caching: bool | None = Field(
+        None, description="Reuse KV blocks of shared prompt prefixes. Unset: on when the resource manager "
+                          "supports it (v1), off otherwise; true with one that does not (v0) is an error.")
 
 
 class EngineSection(_Section):
@@ -121,9 +137,21 @@ class ServerSection(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: SecretStr | None = Field(None, description="When set, requests need 'Authorization: Bearer <key>'.")
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        # "" would let a bare "Authorization: Bearer" in, and "  " would lock everyone out (issue 9)
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("must not be empty or blank; leave it unset to serve without a key")
+        return value
     max_concurrency: int = Field(256, gt=0, description="In-flight requests beyond this get 429.")
     max_queue_size: int = Field(1024, gt=0, description="Requests queued in the engine beyond this get 429.")
-    shutdown_timeout_s: float = Field(30.0, ge=0, description="How long SIGTERM waits for in-flight requests.")
+    max_body_bytes: int = Field(
+        8 * 2**20, gt=0, description="Request bodies larger than this (bytes, default 8 MiB) get 413 unread.")
+    shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="How long SIGTERM waits for in-flight requests; those still running then get 503 "
+                                "(a stream: an error event, then [DONE]).")
     engine_start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for the engine to load.")
     exit_after_engine_death_s: float = Field(
         2.0, ge=0, description="After the engine process dies, fd-serve answers 503 (/health: 'dead' and how "
@@ -135,6 +163,32 @@ class PluginsSection(_Section):
 
     strict: bool = Field(False, description="Any plugin that fails to load stops start-up.")
     disabled: list[str] = Field(default_factory=list, description="'group/name' entries never imported.")
+
+
+class _Origins:
+    """Which keys the CLI and ``load_config`` overrides set, to tell env-supplied values apart."""
+
+    def __init__(self, cli_args: Iterable[str], overrides: Mapping[str, Any]) -> None:
+        self._cli_keys = {arg[2:].split("=", 1)[0] for arg in cli_args if arg.startswith("--")}
+        self._overrides = overrides
+
+    def env_var(self, key: str) -> str | None:
+        """``FD_*`` variable that supplied dotted ``key``, or None (CLI, overrides, file or default).
+
+        The CLI and overrides beat the environment, so a key they set did not come from it.
+        """
+        if key in self._cli_keys or _has_path(self._overrides, key.split(".")):
+            return None
+        name = "FD_" + key.replace(".", "__").upper()
+        return next((var for var in os.environ if var.upper() == name), None)
+
+
+def _has_path(data: Mapping[str, Any], parts: list[str]) -> bool:
+    for part in parts:
+        if not isinstance(data, Mapping) or part not in data:
+            return False
+        data = data[part]
+    return True
 
 
 class FdConfig(BaseSettings):
@@ -156,6 +210,8 @@ class FdConfig(BaseSettings):
     parallel: ParallelSection = ParallelSection()
     server: ServerSection = ServerSection()
     plugins: PluginsSection = PluginsSection()
+    #: Set by load_config: which keys the CLI and overrides gave (see :meth:`env_var_of`).
+    _origins: _Origins = PrivateAttr(default_factory=lambda: _Origins((), {}))
 
     @classmethod
     def settings_customise_sources(
@@ -175,6 +231,10 @@ class FdConfig(BaseSettings):
         """The section selecting the plugin of ``seam`` (e.g. ``"scheduler"``)."""
         return getattr(self, seam)
 
+    def env_var_of(self, key: str) -> str | None:
+        """The ``FD_*`` variable that supplied dotted ``key`` (``FD_CACHE__BLOCK_SIZE``), or None."""
+        return self._origins.env_var(key)
+
     def public_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, secrets masked (for ``--check`` and logs)."""
         return self.model_dump(mode="json")
@@ -184,32 +244,54 @@ def load_config(config_file: str | Path | None = None, cli_args: list[str] | Non
                 **overrides: Any) -> FdConfig:
     """Build the config from defaults, a TOML file, ``FD_*`` env vars and dotted CLI flags.
 
-    Raises ConfigError naming the first bad key's dotted path.
+    Raises one ConfigError listing every bad key (a line each, by dotted path; a value read from
+    the environment also names its variable, e.g. ``FD_CACHE__BLOCK_SIZE``).
     """
     path = Path(config_file) if config_file is not None else None
     if path is not None and not path.is_file():
         raise ConfigError("--config", f"file not found: {str(path)!r}")
+    origins = _Origins(cli_args or [], overrides)
     token = CONFIG_PATH.set(path)
     try:
         kwargs: dict[str, Any] = dict(overrides)
         if cli_args:
             kwargs["_cli_settings_source"] = CliSettingsSource(
                 FdConfig, cli_parse_args=cli_args, cli_prog_name="fd-serve",
-                cli_implicit_flags=False)(args=cli_args)
-        return FdConfig(**kwargs)
+                cli_implicit_flags=False, cli_exit_on_error=False)(args=cli_args)
+        config = FdConfig(**kwargs)
     except ValidationError as exc:
-        raise config_error_from(exc) from exc
-    except (ValueError, SystemExit) as exc:  # TOML syntax errors, argparse rejections
+        raise config_error_from(exc, env_var=origins.env_var) from exc
+    except ValueError as exc:  # TOML syntax errors, CLI parse errors (pydantic-settings' SettingsError)
         raise ConfigError(str(path) if path else "cli", str(exc)) from exc
     finally:
         CONFIG_PATH.reset(token)
+    config._origins = origins
+    return config
 
 
-def config_error_from(exc: ValidationError, prefix: str = "") -> ConfigError:
-    """Turn pydantic's first error into a ConfigError whose key is the dotted path."""
-    first = exc.errors()[0]
-    key = ".".join(str(part) for part in (prefix, *first["loc"]) if part != "")
-    message = first["msg"]
-    if len(exc.errors()) > 1:
-        message += f" (and {len(exc.errors()) - 1} more)"
-    return ConfigError(key, message)
+def config_errors(problems: list[tuple[str, str]]) -> ConfigError:
+    """One ConfigError for every ``(dotted key, message)`` problem, in order: ``.key`` is the
+    first key and the text holds one ``key: message`` line per problem."""
+    (key, message), rest = problems[0], problems[1:]
+    return ConfigError(key, "\n".join([message, *(f"{k}: {m}" if k else m for k, m in rest)]))
+
+
+def config_error_from(exc: ValidationError, prefix: str = "", *,
+                      env_var: Callable[[str], str | None] | None = None) -> ConfigError:
+    """Every error of pydantic's ``exc`` as one ConfigError (see :func:`config_problems_from`)."""
+    return config_errors(config_problems_from(exc, prefix, env_var=env_var))
+
+
+def config_problems_from(exc: ValidationError, prefix: str = "", *,
+                         env_var: Callable[[str], str | None] | None = None) -> list[tuple[str, str]]:
+    """``(dotted key under prefix, message)`` for each of pydantic's errors, one per key;
+    ``env_var(key)`` names the ``FD_*`` variable a bad value came from (see :meth:`FdConfig.env_var_of`)."""
+    problems: dict[str, str] = {}
+    for error in exc.errors():
+        key = ".".join(str(part) for part in (prefix, *error["loc"]) if part != "")
+        if key in problems:  # a union reports each branch; the first says enough
+            continue
+        message = error["msg"].removeprefix("Value error, ")  # our validators' ValueError text
+        var = env_var(key) if env_var is not None else None
+        problems[key] = message + (f" (from {var})" if var else "")
+    return list(problems.items())

@@ -1,12 +1,29 @@
-"""Render the configuration reference (docs/config.md) from the pydantic models themselves."""
+"""Describe every configuration key from the pydantic models themselves (docs/config.md, --help)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
 from fd_core.config import FdConfig
+
+
+@dataclass(frozen=True, slots=True)
+class KeyDoc:
+    """One configuration key as the reference and ``fd-serve --help`` show it."""
+
+    section: str       # e.g. "cache"
+    key: str           # e.g. "block_size"; the flag is --cache.block_size
+    type: str          # e.g. "int | None"
+    default: str       # repr of the default, "—" for None
+    description: str   # markdown (backticks for names)
+
+    @property
+    def flag(self) -> str:
+        return f"--{self.section}.{self.key}"
 
 
 def _default(field: Any) -> str:
@@ -17,8 +34,23 @@ def _default(field: Any) -> str:
 
 
 def _type(field: Any) -> str:
-    text = str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    return text.replace("|", "\\|")
+    return str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def sections() -> Iterator[tuple[str, str]]:
+    """(section name, first line of its docstring), in the order of :class:`FdConfig`."""
+    for name, section in FdConfig.model_fields.items():
+        model: type[BaseModel] = section.annotation
+        yield name, (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ else ""
+
+
+def config_keys(section: str | None = None) -> Iterator[KeyDoc]:
+    """Every key of every section (or of one), in declaration order."""
+    for name, field in FdConfig.model_fields.items():
+        if section is None or name == section:
+            model: type[BaseModel] = field.annotation
+            for key, sub in model.model_fields.items():
+                yield KeyDoc(name, key, _type(sub), _default(sub), sub.description or "")
 
 
 def render() -> str:
@@ -28,13 +60,11 @@ def render() -> str:
              "Every key can be set in the TOML file (`[section] key = ...`), as an environment variable",
              "(`FD_SECTION__KEY`) or as a CLI flag (`--section.key`); CLI > env > file > defaults.",
              "A seam's `options` table is validated by the selected plugin's own settings model.", ""]
-    for name, section in FdConfig.model_fields.items():
-        model: type[BaseModel] = section.annotation
-        doc = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ else ""
+    for name, doc in sections():
         lines += [f"## `[{name}]`", "", doc, "", "| key | type | default | description |", "|---|---|---|---|"]
-        for key, field in model.model_fields.items():
-            description = (field.description or "").replace("|", "\\|")
-            lines.append(f"| `{key}` | `{_type(field)}` | `{_default(field)}` | {description} |")
+        for item in config_keys(name):
+            cells = [item.type.replace("|", "\\|"), item.default, item.description.replace("|", "\\|")]
+            lines.append(f"| `{item.key}` | `{cells[0]}` | `{cells[1]}` | {cells[2]} |")
         lines.append("")
     return "\n".join(lines)
 

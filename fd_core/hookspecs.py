@@ -13,6 +13,18 @@ Three families:
 
 Every plugin declares ``fd_hookspec_version``; the registry refuses a plugin whose value is not
 :data:`FD_HOOKSPEC_VERSION`, naming the plugin.
+
+A decision hook that raises, or answers something the caller cannot use, is reported once
+(naming the plugin and the hook) and skipped; see ``fd_core.plugin_guard``.
+
+Versions:
+
+* 1 — the first release.
+* 2 — the engine core alone ends requests: ``TokenProcessor`` reports finishes in its outputs
+  and has ``forget(request_id)`` instead of ``finish()``, and takes no ``resource_manager``;
+  ``ResourceManager.abort`` is gone (``finish_requests(..., FinishReason.ABORT)``) and managers
+  no longer set ``FINISHED``; ``ResourceManager.supports_prefix_caching`` was added;
+  ``Platform.capabilities`` is read per instance. No hook signature changed.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ if TYPE_CHECKING:
 
 PROJECT_NAME: Final = "fd"
 #: Bumped when a hook or a seam contract changes incompatibly.
-FD_HOOKSPEC_VERSION: Final = 1
+FD_HOOKSPEC_VERSION: Final = 2
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

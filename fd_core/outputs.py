@@ -83,6 +83,20 @@ class RequestMetrics:
     tpot: float | None = None              # mean time per output token after the first
     e2e: float | None = None               # arrival -> finished
 
+    @classmethod
+    def snapshot(cls, request: Request) -> RequestMetrics:
+        """The request's timings so far (from its ``*_time`` stamps)."""
+        arrival, first, done = request.arrival_time, request.first_token_time, request.finished_time
+        num_outputs = len(request.output_token_ids)
+        return cls(
+            arrival_time=arrival,
+            queue_time=None if request.scheduled_time is None else request.scheduled_time - arrival,
+            ttft=None if first is None else first - arrival,
+            tpot=(done - first) / (num_outputs - 1) if first is not None and done is not None and num_outputs > 1
+            else None,
+            e2e=None if done is None else done - arrival,
+        )
+
 
 @dataclass(slots=True)
 class RequestOutput:

@@ -13,6 +13,7 @@ the install order. Pick a shadowed plugin by giving it another name in its own p
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as metadata
 import logging
@@ -126,6 +127,7 @@ class Registry:
         registry = cls(records, strict=strict)
         for record in _records_for("general", GENERAL_GROUP, blocked):
             registry._add_general(record)
+        registry._check_pending()
         registry._collect_registered_classes()
         return registry
 
@@ -142,6 +144,7 @@ class Registry:
         for obj in general:
             name = getattr(obj, "__name__", type(obj).__name__)
             registry._add_general(PluginRecord("general", name, name, "<local>", "-", status=LOADED, obj=obj))
+        registry._check_pending()
         return registry
 
     # --- queries -----------------------------------------------------------------------------
@@ -268,6 +271,26 @@ class Registry:
         else:
             record.status = LOADED
 
+    def _check_pending(self) -> None:
+        """Refuse each general plugin with a hook implementation no hookspec declares.
+
+        pluggy accepts an implementation of an unknown hook (``fd_order_wating``) and never calls
+        it; ``check_pending()`` finds them. Such a plugin is unregistered and marked failed (it
+        would silently not do its job): fatal in strict mode, a warning and a ``plugins list``
+        row otherwise.
+        """
+        while True:
+            try:
+                self.plugin_manager.check_pending()
+                return
+            except pluggy.PluginValidationError as exc:
+                record = next(r for r in self._records if r.seam == "general" and r.obj is exc.plugin)
+                unknown = sorted(caller.name for caller in self.plugin_manager.get_hookcallers(exc.plugin) or ()
+                                 if not caller.has_spec())
+                self.plugin_manager.unregister(exc.plugin)
+                reason = _unknown_hooks_reason(unknown)
+                self._fail(record, reason, PluginLoadError(record.label, reason), raise_errors=self.strict)
+
     def _collect_registered_classes(self) -> None:
         """Add seam classes contributed through ``fd_register_*`` hooks."""
         by_plugin = {r.obj: r for r in self._records if r.seam == "general" and r.status == LOADED}
@@ -300,6 +323,16 @@ class Registry:
                 record.status, record.reason = SHADOWED, f"shadowed by {winners[key].label}"
             else:
                 winners[key] = record
+
+
+def _unknown_hooks_reason(names: list[str]) -> str:
+    known = [name for name in vars(hookspecs) if name.startswith("fd_") and callable(getattr(hookspecs, name))]
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return (f"implements {', '.join(parts)}, which no hookspec of this core declares; "
+            "the plugin is not used (fix the hook name)")
 
 
 def _new_plugin_manager() -> pluggy.PluginManager:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Final
 
 
 class RequestStatus(enum.Enum):
@@ -30,13 +31,24 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"      # the engine could not serve it
 
 
+#: Smallest temperature that samples; below it sampling is greedy (see SamplingParams.greedy).
+MIN_TEMPERATURE: Final = 1e-5
+#: Most stop strings one request may carry (OpenAI allows 4). Each is checked after every token.
+MAX_STOP_STRINGS: Final = 32
+#: Longest stop string, in characters.
+MAX_STOP_STRING_CHARS: Final = 256
+#: Most output tokens the ``n`` choices of one prompt may ask for together (``n * max_tokens``):
+#: 128 choices of a 2048-token context fit.
+MAX_CHOICE_TOKENS: Final = 2**18
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Validated by :meth:`validate`."""
 
     max_tokens: int = 16
     min_tokens: int = 0
-    temperature: float = 1.0       # 0 means greedy
+    temperature: float = 1.0       # 0 (or below MIN_TEMPERATURE) means greedy
     top_k: int = 0                 # 0 or -1: off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -70,10 +82,22 @@ class SamplingParams:
         for ok, name, rule in checks:
             if not ok:
                 raise ValueError(f"{name}: {rule}, got {getattr(self, name)!r}")
+        # Sizes: what one request makes the engine hold and scan (issue 9); named without the values
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings per request, got {len(self.stop)}")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop: each stop string must be at most {MAX_STOP_STRING_CHARS} characters, "
+                             f"got one of {longest}")
+        if self.n * self.max_tokens > MAX_CHOICE_TOKENS:
+            raise ValueError(f"max_tokens: n x max_tokens must be at most {MAX_CHOICE_TOKENS} tokens, got "
+                             f"{self.n} x {self.max_tokens} = {self.n * self.max_tokens}; lower max_tokens or n")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below :data:`MIN_TEMPERATURE` act as 0: dividing float32 logits by them
+        overflows to inf, and every row would pick token 0."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass(slots=True, eq=False)
@@ -91,6 +115,7 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0                      # lower runs first under a priority order hook
     prompt: str | None = None              # the text, when the request came as text
+    group_id: str | None = None            # shared by the sibling requests of one client call (n > 1)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -2,27 +2,36 @@
 
 This is the start-up check shared by ``fd-serve --check``, the server and the offline LLM:
 it imports only the selected plugins (all of them in strict mode), validates each one's
-``<seam>.options`` against its ``settings_model`` and picks the platform. It never touches a
-device beyond the platforms' ``detect()`` probes, which never raise.
+``<seam>.options`` against its ``settings_model``, picks the platform and instantiates it
+(cheap: no model, no KV pool), then checks what would otherwise fail only after heavy work —
+the model source, the dtype on that platform, the parallel sizes, prefix caching on the
+resource manager. Every problem found is reported at once. It never touches a device beyond
+the platforms' ``detect()`` probes and the chosen platform's ``supported_dtypes()``.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from fd_core.config import config_error_from
-from fd_core.errors import ConfigError, PluginError
+from fd_core.config import config_errors, config_problems_from
+from fd_core.errors import ConfigError, ModelLoadError, PluginError, PluginNotFoundError
 from fd_core.registry import SEAM_GROUPS, Registry
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
+    from fd_core.contracts.platform import Platform
 
 #: Connector name meaning "not a split deployment".
 NO_CONNECTOR = "none"
+#: Parallel sizes this build runs (issue 9: larger ones were accepted and failed later).
+RUNNABLE_PARALLEL_SIZE = 1
+
+Problems = list[tuple[str, str]]
 
 
 @dataclass(slots=True)
@@ -46,6 +55,8 @@ class Selection:
     registry: Registry
     plugins: dict[str, SelectedPlugin] = field(default_factory=dict)
     platform_reason: str = ""   # why this platform was picked
+    platform: Platform | None = None    # the selected platform, instantiated with its settings
+    enable_prefix_caching: bool = False  # cache.enable_prefix_caching, its default resolved
 
     def __getitem__(self, seam: str) -> SelectedPlugin:
         return self.plugins[seam]
@@ -55,46 +66,98 @@ class Selection:
         return {seam: selected.name for seam, selected in self.plugins.items()}
 
 
+def quiet_paddle_import() -> None:
+    """Hide the warning importing Paddle prints on every machine without ccache.
+
+    "No ccache found" (``paddle/utils/cpp_extension/extension_utils.py``) concerns compiling
+    C++ extensions, which fd-engine never does; it appeared on every ``--check`` (issue 9).
+    Only that message from that module is filtered; calling this again changes nothing.
+    """
+    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning,
+                            module=r"paddle\.utils\.cpp_extension\.extension_utils")
+
+
 def resolve(config: FdConfig, registry: Registry | None = None, *, apply_worker_env: bool = False) -> Selection:
-    """Load and validate every seam plugin the config selects.
+    """Load and validate every seam plugin the config selects, then check the config against them.
 
     With ``apply_worker_env`` (engine start-up, not ``--check``), an explicitly named
     platform's ``worker_env()`` is put into ``os.environ`` *before* its ``detect()`` runs:
     visible-device variables only take effect before the device runtime starts, and a probe
     may start it. Under ``platform.name = "auto"`` the variables come after detection, so name
-    the platform when you restrict devices. Raises ConfigError (key path such as ``scheduler.options.ttl_s``) or PluginError
-    (naming the plugin). In strict mode every discovered plugin must load.
+    the platform when you restrict devices. Raises one ConfigError listing every problem (key
+    paths such as ``scheduler.options.ttl_s``, and the ``FD_*`` variable a bad value came
+    from), or PluginError naming the plugin in strict mode, where every plugin must load.
     """
+    quiet_paddle_import()  # the platform probes import Paddle first
     if registry is None:
         registry = Registry.discover(strict=config.plugins.strict, disabled=config.plugins.disabled)
     registry.check_strict()
     selection = Selection(registry)
+    problems: Problems = []
     for seam in SEAM_GROUPS:
-        section = config.seam_section(seam)
-        if seam == "connector" and section.name == NO_CONNECTOR:
-            continue
-        if seam == "platform" and section.name == "auto":
-            name, selection.platform_reason = _auto_platform(registry)
-        else:
-            name = section.name
-        cls = _load(registry, seam, name)
-        settings = _validate_options(seam, cls, section.options)
-        if seam == "platform" and apply_worker_env and not selection.platform_reason:
-            os.environ.update(cls(settings).worker_env())
-        selection.plugins[seam] = SelectedPlugin(seam, name, cls, settings)
-    if "platform" in selection.plugins and not selection.platform_reason:
-        selection.platform_reason = _explicit_platform_reason(selection["platform"].cls)
+        try:
+            _select(config, selection, seam, apply_worker_env=apply_worker_env)
+        except ConfigError as exc:
+            problems.append((exc.key, str(exc).removeprefix(f"{exc.key}: ")))
+        except _OptionsError as exc:
+            problems.extend(exc.problems)
+    problems += _check_model_source(config)
+    problems += _check_parallel(config)
+    if "platform" in selection.plugins:
+        problems += _check_dtype(config, selection)
+    if "resource_manager" in selection.plugins:
+        problems += _resolve_prefix_caching(config, selection)
+    if problems:
+        raise config_errors(problems)
     return selection
+
+
+class _OptionsError(Exception):
+    """Several problems in one seam's options (internal: resolve collects them)."""
+
+    def __init__(self, problems: Problems) -> None:
+        super().__init__(problems)
+        self.problems = problems
+
+
+def _select(config: FdConfig, selection: Selection, seam: str, *, apply_worker_env: bool) -> None:
+    section = config.seam_section(seam)
+    if seam == "connector" and section.name == NO_CONNECTOR:
+        if section.options:
+            raise ConfigError("connector.options", f"given, but connector.name is {NO_CONNECTOR!r}; "
+                              "name the connector they are for, or remove them")
+        return
+    if seam == "platform" and section.name == "auto":
+        name, selection.platform_reason = _auto_platform(selection.registry)
+    else:
+        name = section.name
+    cls = _load(selection.registry, seam, name)
+    settings = _validate_options(config, seam, cls, section.options)
+    plugin = SelectedPlugin(seam, name, cls, settings)
+    if seam == "platform":
+        if apply_worker_env and not selection.platform_reason:
+            selection.platform = plugin.create()
+            os.environ.update(selection.platform.worker_env())
+        if not selection.platform_reason:
+            selection.platform_reason = _explicit_platform_reason(cls)
+        selection.platform = selection.platform or plugin.create()
+    selection.plugins[seam] = plugin
 
 
 def _load(registry: Registry, seam: str, name: str) -> type:
     try:
         return registry.load(seam, name)
+    except PluginNotFoundError as exc:
+        if seam != "connector":
+            raise ConfigError(f"{seam}.name", str(exc)) from exc
+        available = ", ".join([NO_CONNECTOR, *registry.names(seam)])
+        raise ConfigError("connector.name", f"plugin {exc.plugin}: no such connector; available: {available} "
+                          f"({NO_CONNECTOR!r}: not a prefill/decode deployment)") from exc
     except PluginError as exc:
         raise ConfigError(f"{seam}.name", str(exc)) from exc
 
 
-def _validate_options(seam: str, cls: type, options: dict[str, Any]) -> BaseModel | None:
+def _validate_options(config: FdConfig, seam: str, cls: type, options: dict[str, Any]) -> BaseModel | None:
     model: type[BaseModel] | None = cls.settings_model
     if model is None:
         if options:
@@ -103,7 +166,51 @@ def _validate_options(seam: str, cls: type, options: dict[str, Any]) -> BaseMode
     try:
         return model.model_validate(options)
     except ValidationError as exc:
-        raise config_error_from(exc, prefix=f"{seam}.options") from exc
+        raise _OptionsError(config_problems_from(exc, prefix=f"{seam}.options", env_var=config.env_var_of)) from exc
+
+
+def _from_env(config: FdConfig, key: str) -> str:
+    var = config.env_var_of(key)
+    return f" (from {var})" if var else ""
+
+
+def _check_model_source(config: FdConfig) -> Problems:
+    from fd_core.model.loader import model_source_kind
+
+    try:
+        model_source_kind(config.model.source)
+    except ModelLoadError as exc:
+        return [("model.source", f"{exc}{_from_env(config, 'model.source')}")]
+    return []
+
+
+def _check_parallel(config: FdConfig) -> Problems:
+    return [(f"parallel.{key}", f"{size} is not supported yet: only {RUNNABLE_PARALLEL_SIZE} runs in this "
+                                f"version{_from_env(config, f'parallel.{key}')}")
+            for key in ("tensor_parallel_size", "data_parallel_size")
+            if (size := getattr(config.parallel, key)) != RUNNABLE_PARALLEL_SIZE]
+
+
+def _check_dtype(config: FdConfig, selection: Selection) -> Problems:
+    assert selection.platform is not None, "a selected platform is instantiated in _select"
+    supported = selection.platform.supported_dtypes()
+    if config.model.dtype in supported:
+        return []
+    return [("model.dtype", f"{config.model.dtype!r} is not supported by platform {selection['platform'].name!r}; "
+                            f"it supports {list(supported)}{_from_env(config, 'model.dtype')}")]
+
+
+def _resolve_prefix_caching(config: FdConfig, selection: Selection) -> Problems:
+    """Set ``selection.enable_prefix_caching``: the key's value, or when unset what the manager supports."""
+    selected = selection["resource_manager"]
+    supported = selected.cls.supports_prefix_caching
+    wanted = config.cache.enable_prefix_caching
+    if wanted and not supported:
+        origin = _from_env(config, "cache.enable_prefix_caching")
+        return [("cache.enable_prefix_caching", f"resource manager {selected.name!r} has no prefix cache; "
+                                                f"set it to false or leave it unset{origin}")]
+    selection.enable_prefix_caching = supported if wanted is None else wanted
+    return []
 
 
 def _auto_platform(registry: Registry) -> tuple[str, str]:

@@ -9,6 +9,7 @@ only when chosen.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 from typing import Final
@@ -21,16 +22,21 @@ SUBCOMMANDS: Final = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``fd-bench``; returns the exit code."""
+    """Entry point of ``fd-bench``; returns the exit code (2 for a missing or unknown subcommand)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        usage = "usage: fd-bench {" + ",".join(SUBCOMMANDS) + "} [options]\n\n" + "\n".join(
-            f"  {name:<12} {text}" for name, text in SUBCOMMANDS.items())
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"fd-bench: error: unknown subcommand {argv[0]!r}\n{usage}", file=sys.stderr)
-            return 2
+    usage = "\n".join([f"usage: fd-bench {{{','.join(SUBCOMMANDS)}}} [options]   (fd-bench SUBCOMMAND --help: its options)",
+                       "", *(f"  {name:<12} {text}" for name, text in SUBCOMMANDS.items())])
+    if argv[:1] in (["-h"], ["--help"]):
         print(usage)
         return 0
+    if not argv or argv[0] not in SUBCOMMANDS:
+        if not argv:
+            problem = "a subcommand is required"
+        else:
+            close = difflib.get_close_matches(argv[0], list(SUBCOMMANDS), n=1)
+            problem = f"unknown subcommand {argv[0]!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+        print(f"fd-bench: error: {problem}\n{usage}", file=sys.stderr)
+        return 2
     name, rest = argv[0], argv[1:]
     return importlib.import_module(f"fd_core.bench.{name}").main(rest)
 

@@ -234,7 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.range_ratio < 1:
         print("fd-bench serve: error: --range-ratio must be in [0, 1)", file=sys.stderr)
         return 2
-    card = model_card(args.url, args.api_key)
+    import httpx
+
+    try:
+        card = model_card(args.url, args.api_key)
+    except httpx.HTTPError as exc:  # connection refused, timeout, HTTP error status
+        print(f"fd-bench serve: error: cannot read {args.url.rstrip('/')}/v1/models: {exc or type(exc).__name__}; "
+              "is fd-serve running there? (start it, or pass --url)", file=sys.stderr)
+        return 2
     model = args.model or card["id"]
     vocab_size = args.vocab_size or card.get("vocab_size")
     if vocab_size is None:

@@ -1,8 +1,11 @@
 """Contract of the ResourceManager seam: owns the KV blocks and plans each step's batch.
 
 Call order per step: the engine hands new requests to :meth:`ResourceManager.add_request`,
-calls :meth:`schedule` once, runs the plan, and the token processor then reports finished
-requests through :meth:`finish_requests`. :meth:`abort` may come between steps.
+calls :meth:`schedule` once, runs the plan, and then ends the requests that finished through
+:meth:`finish_requests` (once per finish reason). Aborts and errors end requests the same way,
+between steps. The engine core alone ends requests: a manager never sets ``FINISHED`` itself
+(until hookspec version 1 it did, and had an ``abort`` method; ``finish_requests`` with
+``FinishReason.ABORT`` replaces it).
 
 Invariants every implementation keeps (checked by ``fd_core.testing.conformance``):
 - ``plan.total_num_tokens <= max_num_batched_tokens`` and ``len(plan.scheduled) <= max_num_seqs``;
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fd_core.contracts._base import SeamPlugin
 
@@ -61,6 +64,10 @@ class KVStats:
 class ResourceManager(SeamPlugin, ABC):
     """Admits requests, allocates KV blocks and builds each step's plan."""
 
+    #: Whether it reuses blocks of shared prompt prefixes; ``cache.enable_prefix_caching = true``
+    #: with a manager that does not is a config error, and unset means this value.
+    supports_prefix_caching: ClassVar[bool] = False
+
     def __init__(self, settings: BaseModel | None, *, limits: KVLimits, hooks: Any) -> None:
         """``hooks`` is the pluggy relay (``fd_select_preemption_victim``, ``fd_prefill_chunk_size``)."""
         self.settings = settings
@@ -81,11 +88,10 @@ class ResourceManager(SeamPlugin, ABC):
 
     @abstractmethod
     def finish_requests(self, requests: list[Request], reason: FinishReason) -> None:
-        """Mark requests finished and free their blocks (they leave running or waiting)."""
-
-    @abstractmethod
-    def abort(self, request_id: str) -> Request | None:
-        """Remove a request wherever it is, freeing its blocks at once; None if unknown."""
+        """Forget requests that ended and free their blocks at once, wherever they are (running,
+        waiting or preempted); requests it does not hold are ignored. ``reason`` tells whether
+        their K/V is complete (``stop``/``length``: it may be kept for prefix caching) or not
+        (``abort``/``error``). The core sets their status afterwards."""
 
     @abstractmethod
     def num_free_blocks(self) -> int:

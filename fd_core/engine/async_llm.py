@@ -12,6 +12,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from fd_core.errors import RequestError
 from fd_core.request import Request, SamplingParams
 
 if TYPE_CHECKING:
@@ -26,8 +27,9 @@ PUMP_WAKE_S = 0.5
 class AsyncLLM:
     """Stream outputs of requests run by a background engine thread.
 
-    Use as ``async with AsyncLLM.from_config(cfg) as llm: async for out in llm.generate(...)``.
-    Leaving a ``generate`` iteration early (break, cancellation, client gone) aborts the request.
+    Use as ``async with AsyncLLM.start() as llm: async for out in llm.generate(...)``
+    (``start`` takes the same arguments as ``LLM``). Leaving a ``generate`` iteration early
+    (break, cancellation, client gone) aborts the request.
     """
 
     def __init__(self, engine: EngineCore) -> None:
@@ -42,10 +44,12 @@ class AsyncLLM:
         self._pump_thread.start()
 
     @classmethod
-    def from_config(cls, config: FdConfig) -> AsyncLLM:
+    def start(cls, model: str | None = None, *, config: FdConfig | None = None, **sections: Any) -> AsyncLLM:
+        """Build the engine (as ``LLM(model, config=..., **sections)`` does) and start its threads."""
         from fd_core.engine.builder import build_engine
+        from fd_core.engine.llm import engine_config
 
-        return cls(build_engine(config))
+        return cls(build_engine(engine_config(model, config, sections)))
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -59,10 +63,18 @@ class AsyncLLM:
             eos_token_ids=tuple(tokenizer.eos_token_ids))
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         with self._lock:
+            if request.request_id in self._streams:  # taking its place would steal a live stream
+                raise RequestError("request_id", f"request id {request.request_id!r} is already in use "
+                                   "by a live request")
             self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
-        finished = False
         try:
             self.engine.add_request(request)
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            raise
+        finished = False
+        try:
             while not finished:
                 output = await queue.get()
                 finished = output.finished

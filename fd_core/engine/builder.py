@@ -33,6 +33,14 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 2048
 #: Memory kept aside for activations when sizing the KV pool from the profile.
 ACTIVATION_RESERVE_BYTES = 512 << 20
+#: With ``cache.memory_utilization`` unset, the largest KV pool in host memory (device "cpu"):
+#: the profile's 0.3 of RAM, capped by max_num_seqs full-length requests, took ~3 GiB for a
+#: 98 MB model and 4 GB of RSS (issue 9). 512 MiB holds ~11k tokens of SmolLM2-135M.
+HOST_DEFAULT_KV_CAP_BYTES = 512 << 20
+#: The share of device memory used when ``cache.memory_utilization`` is unset.
+DEFAULT_MEMORY_UTILIZATION = 0.3
+#: How to grow the pool, for the log line and errors.
+GROW_HINT = "grow it with cache.num_blocks or cache.memory_utilization"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,21 +66,22 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
 
     report = progress or (lambda stage: None)
 
-    selection = resolve(config, registry, apply_worker_env=True)
-    platform: Platform = selection["platform"].create()
-    if config.model.dtype not in platform.supported_dtypes():
-        raise ConfigError("model.dtype", f"{config.model.dtype!r} is not supported by platform "
-                          f"{platform.name!r}; it supports {list(platform.supported_dtypes())}")
+    selection = resolve(config, registry, apply_worker_env=True)  # raises every config problem at once
+    platform = selection.platform
+    assert platform is not None, "resolve() instantiates the selected platform"
     os.environ.update(platform.worker_env())
     kernels = choose_kernels(platform, selection.platform_reason)
 
-    report(f"loading the model {config.model.source!r}")
+    stage = f"loading the model {config.model.source!r}"
+    report(stage)
+    log.info("%s", stage)
     loaded = load_model(config.model.source)
     arch = loaded.arch
     max_model_len = _max_model_len(config, arch)
     kv = plan_kv_pool(config, arch, platform, max_model_len=max_model_len,
                       weights_bytes=sum(w.nbytes for w in loaded.weights.values()))
-    log.info("KV pool: %d blocks of %d tokens (%s)", kv.num_blocks, config.cache.block_size, kv.source)
+    log.info("KV pool: %d blocks of %d tokens, %d MiB (%s)", kv.num_blocks, config.cache.block_size,
+             kv.num_blocks * kv.bytes_per_block >> 20, kv.source)
 
     from fd_core.runner.model_runner import WARMUP_PROMPT_TOKENS, ModelRunner
     from fd_core.runner.sampling import Sampler
@@ -88,12 +97,12 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
         num_blocks=kv.num_blocks, block_size=config.cache.block_size,
         max_num_seqs=config.engine.max_num_seqs, max_num_batched_tokens=config.engine.max_num_batched_tokens,
         max_model_len=max_model_len, enable_chunked_prefill=config.engine.enable_chunked_prefill,
-        enable_prefix_caching=config.cache.enable_prefix_caching)
+        enable_prefix_caching=selection.enable_prefix_caching)
     hooks = selection.registry.hooks
     resource_manager = selection["resource_manager"].create(limits=limits, hooks=hooks)
     scheduler = selection["scheduler"].create(hooks=hooks, max_queue_size=config.server.max_queue_size)
     token_processor = selection["token_processor"].create(
-        tokenizer=loaded.tokenizer, resource_manager=resource_manager, max_model_len=max_model_len)
+        tokenizer=loaded.tokenizer, max_model_len=max_model_len)
     return EngineCore(scheduler=scheduler, resource_manager=resource_manager, token_processor=token_processor,
                       runner=runner, limits=limits, hooks=hooks, tokenizer=loaded.tokenizer,
                       model_name=config.model.served_name or config.model.source, config=config)
@@ -124,7 +133,10 @@ def plan_kv_pool(config: FdConfig, arch: LlamaArchConfig, platform: Platform, *,
     """Number of KV blocks: ``cache.num_blocks`` if set, else what the memory profile allows.
 
     The profile-based count is capped at what ``max_num_seqs`` full-length requests could
-    ever use, so a large machine does not zero-fill memory it can never need.
+    ever use, so a large machine does not zero-fill memory it can never need. With
+    ``cache.memory_utilization`` unset, a pool in host memory is also capped at
+    :data:`HOST_DEFAULT_KV_CAP_BYTES` (never below one full-length request): RAM is shared with
+    everything else on the machine, and most deployments of a small model need far less.
     """
     from fd_core.runner.kv_cache import kv_cache_bytes_per_block
 
@@ -133,14 +145,20 @@ def plan_kv_pool(config: FdConfig, arch: LlamaArchConfig, platform: Platform, *,
     blocks_per_seq = -(-max_model_len // block_size)
     if config.cache.num_blocks is not None:
         return KVPlan(config.cache.num_blocks, per_block, "cache.num_blocks")
-    budget = platform.kv_cache_memory_bytes(utilization=config.cache.memory_utilization,
-                                            weights_bytes=weights_bytes,
+    utilization = config.cache.memory_utilization or DEFAULT_MEMORY_UTILIZATION
+    budget = platform.kv_cache_memory_bytes(utilization=utilization, weights_bytes=weights_bytes,
                                             activation_reserve_bytes=ACTIVATION_RESERVE_BYTES)
     fits = budget // per_block
     if fits < blocks_per_seq:
         raise ConfigError("cache.memory_utilization", (
-            f"{config.cache.memory_utilization} leaves {budget >> 20} MiB for the KV cache: {fits} blocks, "
+            f"{utilization} leaves {budget >> 20} MiB for the KV cache: {fits} blocks, "
             f"but one {max_model_len}-token request needs {blocks_per_seq}; raise it, lower "
             f"model.max_model_len, or set cache.num_blocks"))
     cap = blocks_per_seq * config.engine.max_num_seqs
-    return KVPlan(min(fits, cap), per_block, f"profile: {budget >> 20} MiB for KV, capped at {cap} blocks")
+    source = f"profile: {budget >> 20} MiB for KV, capped at {cap} blocks for engine.max_num_seqs"
+    if config.cache.memory_utilization is None and platform.device_string() == "cpu":
+        host_cap = max(blocks_per_seq, HOST_DEFAULT_KV_CAP_BYTES // per_block)
+        if host_cap < min(fits, cap):
+            cap = host_cap
+            source = f"default cap for host memory: {HOST_DEFAULT_KV_CAP_BYTES >> 20} MiB; {GROW_HINT}"
+    return KVPlan(min(fits, cap), per_block, source)

@@ -8,24 +8,38 @@ Each step:
    (the rest stay in the scheduler, where its ordering hook, TTL and size limit apply);
 3. ``resource_manager.schedule()`` plans the batch;
 4. the runner computes it and samples;
-5. ``token_processor.process`` turns tokens into outputs and frees finished requests' blocks;
-6. ``scheduler.put_results`` routes outputs to their origin.
+5. ``token_processor.process`` turns tokens into outputs and *reports* finishes in them;
+6. the core ends every finished request (:meth:`EngineCore._end`) and
+   ``scheduler.put_results`` routes the outputs to their origin.
+
+**One owner of a request's end.** Once a request has left the scheduler, :meth:`_end` is the
+only code that ends it, for every reason (stop, length, abort, error): it frees its blocks
+(``resource_manager.finish_requests``, once per reason per step), sets its status, finish
+reason and time, forgets it in the runner and the token processor, fills the final output's
+metrics and calls ``fd_request_finished``, each exactly once. A request that never left the
+scheduler (expired, aborted while queued) is answered by the scheduler.
+
+Request ids are unique among live requests: :meth:`add_request` refuses an id whose final
+output has not yet been taken through :meth:`get_results`, touching nothing of the first.
 
 When there is nothing to run, :meth:`EngineCore.run` blocks inside
 ``scheduler.get_requests(timeout=None)`` until a request arrives or :meth:`wake` is called:
-there is no polling sleep.
+there is no polling sleep. A step that raises fails the requests in flight, and the loop then
+backs off (:data:`FAILURE_BACKOFF_S`) so that a plugin failing on every call cannot spin it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
-from fd_core.errors import RequestError
-from fd_core.outputs import RequestOutput, StepResult
+from fd_core.errors import PluginError, QueueFullError, RequestError
+from fd_core.outputs import RequestMetrics, RequestOutput, StepResult
+from fd_core.plugin_guard import FailureReporter, plugin_label
 from fd_core.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -37,6 +51,12 @@ if TYPE_CHECKING:
     from fd_core.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+#: Wait after a failed step, doubling per consecutive failure from the first value to the second.
+FAILURE_BACKOFF_S: Final = (0.05, 2.0)
+
+#: A request to end: (request, reason, error, the token processor's output reporting it or None).
+_Ending = tuple[Request, FinishReason, "str | None", "RequestOutput | None"]
 
 
 @dataclass(slots=True)
@@ -66,7 +86,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self._aborts: deque[str] = deque()       # ids queued by other threads
-        self._in_engine: dict[str, Request] = {} # admitted to the resource manager, not finished
+        self._in_engine: dict[str, Request] = {} # left the scheduler, not ended (engine thread only)
+        self._live: set[str] = set()             # accepted, final output not yet taken (any thread)
+        self._live_lock = threading.Lock()
+        self._failures = FailureReporter()
         self._num_steps = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -106,9 +129,27 @@ class EngineCore:
             raise RequestError("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
     def add_request(self, request: Request) -> None:
-        """Validate and queue a request. Raises RequestError or QueueFullError; never blocks."""
+        """Validate and queue a request; never blocks.
+
+        Raises RequestError (invalid, or its id is already live), QueueFullError, or PluginError
+        when the scheduler plugin fails on it; in every case nothing else is touched.
+        """
         self.validate(request)
-        self.scheduler.put_request(request)
+        request_id = request.request_id
+        with self._live_lock:
+            if request_id in self._live:
+                raise RequestError("request_id", f"request id {request_id!r} is already in use by a live request; "
+                                   "ids must be unique until the final output has been read")
+            self._live.add(request_id)
+        try:
+            self.scheduler.put_request(request)
+        except (RequestError, QueueFullError):
+            self._forget_id(request_id)
+            raise
+        except Exception as exc:  # a scheduler plugin bug: refuse this request, keep serving
+            self._forget_id(request_id)
+            raise PluginError(plugin_label(self.scheduler), f"put_request failed on request {request_id!r}: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
     def abort(self, request_id: str) -> None:
         """Ask the loop to abort a request; its blocks are freed at the start of the next step."""
@@ -116,8 +157,13 @@ class EngineCore:
         self.scheduler.wake()
 
     def get_results(self, timeout: float | None) -> list[RequestOutput]:
-        """Outputs routed back to this origin (see Scheduler.get_results)."""
-        return self.scheduler.get_results(timeout)
+        """Outputs routed back to this origin (see Scheduler.get_results); a final one frees its id."""
+        outputs = self.scheduler.get_results(timeout)
+        ended = [o.request_id for o in outputs if o.finished]
+        if ended:
+            with self._live_lock:
+                self._live.difference_update(ended)
+        return outputs
 
     def wake(self) -> None:
         """Make an idle :meth:`run` re-check its stop event."""
@@ -128,6 +174,7 @@ class EngineCore:
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set; block while idle."""
         self.hooks.fd_engine_started(config=self.config)
+        backoff = 0.0
         try:
             while not stop.is_set():
                 try:
@@ -135,9 +182,14 @@ class EngineCore:
                         # idle: block until a request arrives or wake() is called
                         self._admit(self.scheduler.get_requests(self._room(), timeout=None))
                     self.step()
+                    backoff = 0.0
                 except Exception:  # a plugin bug must not strand clients: fail what is in flight
                     log.exception("engine step failed; failing %d in-flight requests", len(self._in_engine))
                     self.scheduler.put_results(self.fail_in_flight("engine step failed; see the server log"))
+                    # a plugin that fails on every call must not make this loop spin
+                    low, high = FAILURE_BACKOFF_S
+                    backoff = min(high, max(low, 2 * backoff))
+                    stop.wait(backoff)
         finally:
             self.hooks.fd_engine_stopped()
 
@@ -160,19 +212,31 @@ class EngineCore:
         """Counters as of the end of the last step; safe to call from any thread."""
         return self._stats
 
+    def fail_in_flight(self, error: str) -> list[RequestOutput]:
+        """End every admitted request with ``error`` (after a failed step); returns their outputs."""
+        return self._end([(request, FinishReason.ERROR, error, None) for request in self._in_engine.values()])
+
+    # --- internals ---------------------------------------------------------------------------
+
     def _collect_stats(self) -> EngineStats:
         return EngineStats(self.resource_manager.stats(), self.scheduler.num_waiting(), self._num_steps,
                            self._num_prompt_tokens, self._num_generated_tokens)
 
-    # --- internals ---------------------------------------------------------------------------
+    def _forget_id(self, request_id: str) -> None:
+        with self._live_lock:
+            self._live.discard(request_id)
 
     def _room(self) -> int:
         """How many more requests the resource manager should hold (running + waiting)."""
         return max(0, self.limits.max_num_seqs - len(self._in_engine))
 
     def _admit(self, requests: list[Request]) -> None:
-        refused = []
+        refused: list[_Ending] = []
         for request in requests:
+            if request.request_id in self._in_engine:  # add_request refuses live ids: a scheduler bug
+                self._failures.report(plugin_label(self.scheduler), "get_requests",
+                                      f"handed out request {request.request_id!r} a second time")
+                continue
             self._in_engine[request.request_id] = request
             try:
                 self.token_processor.add_request(request)
@@ -180,17 +244,8 @@ class EngineCore:
                 self.hooks.fd_request_added(request=request)
             except Exception as exc:  # one plugin failure refuses this request, not the batch
                 log.exception("could not admit %r", request)
-                self.resource_manager.abort(request.request_id)
-                refused.append(self._error_output(request, f"could not admit the request: {exc}"))
-        self.scheduler.put_results(refused)
-
-    def _error_output(self, request: Request, error: str) -> RequestOutput:
-        """Final output for a request the plugins could not finish cleanly; forgets it."""
-        self._in_engine.pop(request.request_id, None)
-        self.runner.release([request.request_id])
-        request.status, request.finish_reason, request.error = RequestStatus.FINISHED, FinishReason.ERROR, error
-        return RequestOutput(request.request_id, finished=True, finish_reason=FinishReason.ERROR, error=error,
-                             num_prompt_tokens=request.num_prompt_tokens)
+                refused.append((request, FinishReason.ERROR, f"could not admit the request: {exc}", None))
+        self.scheduler.put_results(self._end(refused))
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         self._num_steps += 1
@@ -198,13 +253,12 @@ class EngineCore:
             result = self.runner.execute(plan)
         except Exception as exc:  # a runner failure fails this batch, not the engine
             log.exception("model runner failed on a step of %d rows", len(plan.scheduled))
-            return [self._finish(row.request, FinishReason.ERROR, f"model runner failed: {exc}")
-                    for row in plan.scheduled if not row.request.is_finished]
+            return self._end([(row.request, FinishReason.ERROR, f"model runner failed: {exc}", None)
+                              for row in plan.scheduled if row.request.request_id in self._in_engine])
         outputs = self.token_processor.process(plan, result)
         self._count_tokens(plan, result)
-        for output in outputs:
-            if output.finished:
-                self._retire(output)
+        self._end([(self._in_engine[o.request_id], o.finish_reason, o.error, o)
+                   for o in outputs if o.finish_reason is not None and o.request_id in self._in_engine])
         self.hooks.fd_step_finished(plan=plan, result=result, stats={"kv": self.resource_manager.stats()})
         return outputs
 
@@ -214,40 +268,52 @@ class EngineCore:
             self._num_prompt_tokens += max(0, min(row.start + row.num_new_tokens, n_prompt) - row.start)
         self._num_generated_tokens += len(result.sampled)
 
-    def fail_in_flight(self, error: str) -> list[RequestOutput]:
-        """Finish every admitted request with ``error`` (after a failed step); returns their outputs."""
-        outputs = []
-        for request in list(self._in_engine.values()):
-            try:
-                outputs.append(self._finish(request, FinishReason.ERROR, error))
-            except Exception:  # the plugin that failed may fail again; still answer the request
-                log.exception("could not finish %r cleanly", request)
-                outputs.append(self._error_output(request, error))
-        return outputs
-
     def _apply_aborts(self) -> list[RequestOutput]:
-        outputs = []
+        endings: dict[str, _Ending] = {}
         while self._aborts:
             request_id = self._aborts.popleft()
             if self.scheduler.abort(request_id):
                 continue  # still queued: the scheduler answered it
             request = self._in_engine.get(request_id)
-            if request is None:
-                continue  # already finished, or unknown
-            self.resource_manager.abort(request_id)
-            outputs.append(self._finish(request, FinishReason.ABORT, None, free=False))
-        return outputs
+            if request is not None:  # else already ended, or unknown
+                endings[request_id] = (request, FinishReason.ABORT, None, None)
+        return self._end(list(endings.values()))
 
-    def _finish(self, request: Request, reason: FinishReason, error: str | None, *, free: bool = True) -> RequestOutput:
-        """Finish a request outside the token processor (abort, runner error)."""
-        if free:
-            self.resource_manager.finish_requests([request], reason)
-        output = self.token_processor.finish(request, reason, error)
-        self._retire(output)
-        return output
+    def _end(self, endings: list[_Ending]) -> list[RequestOutput]:
+        """End requests that left the scheduler: the one place that does (see the module docstring).
 
-    def _retire(self, output: RequestOutput) -> None:
-        request = self._in_engine.pop(output.request_id, None)
-        self.runner.release([output.request_id])
-        if request is not None:
-            self.hooks.fd_request_finished(request=request, output=output)
+        Every seam is told once; a seam that raises is reported (once per plugin and method)
+        and the others are still told, so the final output always goes out. Returns the final
+        outputs: the token processor's own where it reported the finish, else new ones.
+        """
+        by_reason: dict[FinishReason, list[Request]] = {}
+        for request, reason, _, _ in endings:
+            by_reason.setdefault(reason, []).append(request)
+        for reason, requests in by_reason.items():
+            self._tell(self.resource_manager, "finish_requests", requests, reason)
+        now = time.time()
+        finals = []
+        for request, reason, error, output in endings:
+            request_id = request.request_id
+            request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, error
+            request.finished_time = now
+            self._in_engine.pop(request_id, None)
+            self.runner.release([request_id])
+            self._tell(self.token_processor, "forget", request_id)
+            if output is None:
+                output = RequestOutput(request_id, num_prompt_tokens=request.num_prompt_tokens,
+                                       num_output_tokens=len(request.output_token_ids),
+                                       num_cached_tokens=request.num_cached_tokens)
+            output.finished, output.finish_reason, output.error = True, reason, error
+            output.metrics = RequestMetrics.snapshot(request)
+            self._tell(self.hooks, "fd_request_finished", request=request, output=output)
+            finals.append(output)
+        return finals
+
+    def _tell(self, plugin: Any, method: str, *args: Any, **kwargs: Any) -> None:
+        """Call a seam (or the hook relay) while ending requests; a failure is reported, not raised."""
+        try:
+            getattr(plugin, method)(*args, **kwargs)
+        except Exception as exc:
+            who = "hooks" if plugin is self.hooks else plugin_label(plugin)
+            self._failures.report(who, method, f"raised {type(exc).__name__}: {exc}")

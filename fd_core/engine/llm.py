@@ -31,17 +31,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, config: FdConfig | None = None, **sections: Any) -> None:
-        from fd_core.config import load_config
         from fd_core.engine.builder import build_engine
 
-        if config is not None and (model is not None or sections):
-            raise ValueError("pass either config= or model/section overrides, not both")
-        if config is None:
-            if model is not None:
-                sections["model"] = {**sections.get("model", {}), "source": model}
-            config = load_config(**sections)
-        self.config = config
-        self.engine: EngineCore = build_engine(config)
+        self.config = engine_config(model, config, sections)
+        self.engine: EngineCore = build_engine(self.config)
         self._ids = itertools.count()
 
     @property
@@ -105,6 +98,20 @@ class LLM:
                     if output.finished:
                         pending -= 1
                         bar.update(1)
+
+
+def engine_config(model: str | None, config: FdConfig | None, sections: dict[str, Any]) -> FdConfig:
+    """The config of an in-process engine: ``config`` as given, or ``model`` + section overrides
+    on top of the environment and defaults (``LLM`` and ``AsyncLLM.start`` take both forms)."""
+    from fd_core.config import load_config
+
+    if config is not None:
+        if model is not None or sections:
+            raise ValueError("pass either config= or model/section overrides, not both")
+        return config
+    if model is not None:
+        sections["model"] = {**sections.get("model", {}), "source": model}
+    return load_config(**sections)
 
 
 def _is_token_list(value: Any) -> bool:

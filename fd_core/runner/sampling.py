@@ -8,7 +8,8 @@ Per row, in this order (the order of Hugging Face's logits processors):
    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
 2. **min_tokens**: while fewer than ``min_tokens`` tokens were generated, the stop token ids
    and (unless ``ignore_eos``) the eos ids are masked, so the request cannot stop early.
-3. **Greedy** rows (``temperature == 0``) take the argmax here; filters never drop the argmax.
+3. **Greedy** rows (``temperature`` 0, or below ``MIN_TEMPERATURE``: dividing by it would
+   overflow float32) take the argmax here; filters never drop the argmax.
 4. **Temperature** divides the logits, then **top-k**, **top-p** and **min-p** mask tokens
    (see :func:`apply_filters` for the exact kept sets).
 5. **Sampling** by inverse CDF with one uniform draw per row, from the request's own

@@ -7,7 +7,7 @@ the server with an error. An engine process that dies while serving is reported 
 with :data:`EXIT_ENGINE_DIED`, ``server.exit_after_engine_death_s`` later (requests in flight
 have been answered with the cause by then).
 Every error leaves as OpenAI's error body, including FastAPI's own validation errors (400,
-not 422) and unknown routes.
+not 422) and unknown routes; a 429 also carries ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from fd_core.errors import FdError
+from fd_core.server.drain import Drain
 from fd_core.server.engine_client import EngineClient
 from fd_core.server.http_errors import ApiError, from_exception, from_validation_errors
 from fd_core.server.metrics import ServerMetrics
@@ -53,7 +54,7 @@ def create_app(config: FdConfig, *, on_fatal: Callable[[str, int], None], log_le
     metrics = ServerMetrics()
     client = EngineClient(config, log_level=log_level, on_finished=metrics.observe, on_dead=on_engine_death)
     state = ServerState(config=config, model_name=config.model.served_name or config.model.source,
-                        client=client, metrics=metrics)
+                        client=client, metrics=metrics, drain=Drain(config.server.shutdown_timeout_s))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,6 +65,7 @@ def create_app(config: FdConfig, *, on_fatal: Callable[[str, int], None], log_le
             starter.cancel()
             await asyncio.gather(starter, return_exceptions=True)
             await client.shutdown()
+            state.workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="fd-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.fd = state
@@ -86,9 +88,11 @@ async def _start(state: ServerState, on_fatal: Callable[[str, int], None]) -> No
     try:
         if source in MODEL_ALIASES:  # download once here rather than in both processes at once
             await loop.run_in_executor(None, resolve_alias, source)
-        tokenizer = loop.run_in_executor(None, load_tokenizer, source)
-        await state.client.start(timeout=state.config.server.engine_start_timeout_s)
-        state.tokenizer = await tokenizer
+        # gather: when one fails, the other's later failure is marked retrieved (no stray traceback)
+        _, tokenizer = await asyncio.gather(state.client.start(timeout=state.config.server.engine_start_timeout_s),
+                                            loop.run_in_executor(None, load_tokenizer, source))
+        limits = await loop.run_in_executor(None, Limits.from_info, state.client.info, tokenizer)
+        state.tokenizer = tokenizer
     except FdError as exc:
         on_fatal(str(exc), EXIT_START_FAILED)
         return
@@ -96,12 +100,12 @@ async def _start(state: ServerState, on_fatal: Callable[[str, int], None]) -> No
         log.exception("start-up failed")
         on_fatal(f"start-up failed: {type(exc).__name__}: {exc}", EXIT_START_FAILED)
         return
-    state.limits = Limits.from_info(state.client.info)
+    state.limits = limits
     log.info("serving %s (max_model_len %d)", state.model_name, state.limits.max_model_len)
 
 
 def _respond(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 import zmq
 import zmq.asyncio
 
-from fd_core.errors import EngineDeadError, FdError, QueueFullError, RequestError
+from fd_core.errors import EngineDeadError, FdError, PluginError, QueueFullError, RequestError
 from fd_core.exit_status import describe_exit
 from fd_core.server import wire
 from fd_core.server.engine_process import run_engine_process
@@ -185,6 +185,10 @@ class EngineClient:
         Raises RequestError (invalid; names the field), QueueFullError or EngineDeadError.
         """
         self._check_alive()
+        ids = [r.request_id for r in requests]
+        in_use = next((i for i in ids if i in self._streams or ids.count(i) > 1), None)
+        if in_use is not None:  # registering it would steal the live stream's outputs
+            raise RequestError("request_id", f"request id {in_use!r} is already in use by a live request")
         loop = asyncio.get_running_loop()
         packed = [wire.pack(wire.encode_request(r)) for r in requests]  # fails before anything is registered
         stream = RequestStream(self, [r.request_id for r in requests])
@@ -241,38 +245,48 @@ class EngineClient:
                 del self._streams[request_id]
 
     async def _send_loop(self) -> None:
-        while True:
-            await self._push.send(await self._outbox.get())
+        try:
+            while True:
+                await self._push.send(await self._outbox.get())
+        except Exception as exc:  # nothing reaches the engine any more: say so instead of hanging
+            log.exception("the engine sender failed")
+            self._die(f"the front end cannot send to the engine any more ({type(exc).__name__}: {exc})")
 
     async def _read_loop(self) -> None:
-        while True:
-            message = wire.unpack(await self._pull.recv())
-            kind = message[0]
-            if kind == wire.OUTPUTS:
-                self._route(message[1])
-            elif kind == wire.ACK:
-                self._resolve(message[1], None)
-            elif kind == wire.REJECT:
-                _, request_id, reject_kind, field, text = message
-                error = QueueFullError(text) if reject_kind == wire.QUEUE_FULL else RequestError(field, text)
-                self._resolve(request_id, error)
-            elif kind == wire.STATS_REPLY:
-                future = self._stats.get(message[1])
-                if future is not None and not future.done():
-                    future.set_result(message[2])
-            elif kind == wire.STARTING:
-                self.stage = message[1]
-                log.info("engine start-up: %s", self.stage)
-            elif kind == wire.READY:
-                self.info = message[1]
-                self.state = EngineState.READY
-                log.info("engine ready: %s", self.info)
-                if self._ready is not None and not self._ready.done():
-                    self._ready.set_result(None)
-            elif kind == wire.FAILED:
-                self._die(f"the engine failed to start: {message[1]}")
-            else:
-                log.error("ignoring an engine message of unknown kind %r", kind)
+        try:
+            while True:
+                self._handle(wire.unpack(await self._pull.recv()))
+        except Exception as exc:  # streams would hang while /health said ok: mark the engine dead
+            log.exception("the engine reader failed")
+            self._die(f"the front end stopped reading the engine's outputs ({type(exc).__name__}: {exc})")
+
+    def _handle(self, message: list[Any]) -> None:
+        """Act on one message from the engine process."""
+        kind = message[0]
+        if kind == wire.OUTPUTS:
+            self._route(message[1])
+        elif kind == wire.ACK:
+            self._resolve(message[1], None)
+        elif kind == wire.REJECT:
+            _, request_id, reject_kind, field, text = message
+            self._resolve(request_id, _reject_error(reject_kind, field, text))
+        elif kind == wire.STATS_REPLY:
+            future = self._stats.get(message[1])
+            if future is not None and not future.done():
+                future.set_result(message[2])
+        elif kind == wire.STARTING:
+            self.stage = message[1]
+            log.info("engine start-up: %s", self.stage)
+        elif kind == wire.READY:
+            self.info = message[1]
+            self.state = EngineState.READY
+            log.info("engine ready: %s", self.info)
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(None)
+        elif kind == wire.FAILED:
+            self._die(f"the engine failed to start: {message[1]}")
+        else:
+            log.error("ignoring an engine message of unknown kind %r", kind)
 
     def _route(self, items: list[list[Any]]) -> None:
         for item in items:
@@ -329,3 +343,12 @@ class EngineClient:
         for stream in set(self._streams.values()):
             stream._put(error)
         self._streams.clear()
+
+
+def _reject_error(kind: str, field: str | None, text: str) -> FdError:
+    """The exception a REJECT stands for (400, 429 or 500 at the HTTP layer)."""
+    if kind == wire.QUEUE_FULL:
+        return QueueFullError(text)
+    if kind == wire.INTERNAL:
+        return PluginError(field or "?", text)
+    return RequestError(field or "", text)

@@ -26,7 +26,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any, Final
 
-from fd_core.errors import FdError, QueueFullError, RequestError
+from fd_core.errors import FdError, PluginError, QueueFullError, RequestError
 from fd_core.server import wire
 
 if TYPE_CHECKING:
@@ -50,6 +50,9 @@ def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
+    from fd_core.selection import quiet_paddle_import
+
+    quiet_paddle_import()
     import paddle  # noqa: F401  (before faulthandler, whose handler then chains to Paddle's)
 
     faulthandler.enable()
@@ -160,6 +163,7 @@ def _input_loop(engine: EngineCore, socket: zmq.Socket[bytes], sender: _Sender, 
 
 
 def _add(engine: EngineCore, message: list[Any], sender: _Sender) -> None:
+    """Queue one ADD and answer it: ACK, or REJECT saying why. Never stops the engine."""
     request = wire.decode_request(message)
     try:
         engine.add_request(request)
@@ -167,6 +171,13 @@ def _add(engine: EngineCore, message: list[Any], sender: _Sender) -> None:
         sender.send([wire.REJECT, request.request_id, wire.INVALID, exc.field, str(exc)])
     except QueueFullError as exc:
         sender.send([wire.REJECT, request.request_id, wire.QUEUE_FULL, None, str(exc)])
+    except PluginError as exc:
+        log.error("%s", exc)
+        sender.send([wire.REJECT, request.request_id, wire.INTERNAL, exc.plugin, exc.reason])
+    except Exception as exc:  # our own bug: still only this request fails
+        log.exception("could not queue request %r", request)
+        sender.send([wire.REJECT, request.request_id, wire.INTERNAL, "fd_core",
+                     f"queueing the request failed: {type(exc).__name__}: {exc}"])
     else:
         sender.send([wire.ACK, request.request_id])
 

@@ -3,18 +3,28 @@
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
 RequestError -> 400 (``param`` is the field), unknown model -> 404, bad or missing API key
--> 401, QueueFullError and the concurrency limit -> 429, EngineDeadError (starting, dead or
-shutting down) -> 503.
+-> 401, a body over ``server.max_body_bytes`` -> 413, QueueFullError and the concurrency limit
+-> 429 (with ``Retry-After``), the engine starting, dead (EngineDeadError) or the server
+shutting down -> 503 with one ``code`` per cause.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from fd_core.errors import EngineDeadError, QueueFullError, RequestError
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
+
+#: ``Retry-After`` of a 429, in seconds: the engine cannot tell when a slot frees, and one
+#: second is what a client backing off would wait first anyway.
+RETRY_AFTER_S: Final = 1
+
+#: The ``code`` of each 503 (docs/server.md, "Errors").
+ENGINE_STARTING: Final = "engine_starting"     # the engine is loading; retry shortly
+ENGINE_DEAD: Final = "engine_dead"             # the engine process died (the message says how)
+SHUTTING_DOWN: Final = "server_shutting_down"  # SIGTERM: draining, or server.shutdown_timeout_s ran out
 
 
 class ApiError(Exception):
@@ -32,9 +42,22 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers of the response: ``Retry-After`` on a 429."""
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else {}
+
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, type="invalid_request_error", param=param)
+
+
+def too_many_requests(message: str) -> ApiError:
+    return ApiError(429, message, type="rate_limit_error", code="rate_limit_exceeded")
+
+
+def unavailable(message: str, code: str) -> ApiError:
+    """A 503; ``code`` is :data:`ENGINE_STARTING`, :data:`ENGINE_DEAD` or :data:`SHUTTING_DOWN`."""
+    return ApiError(503, message, type="service_unavailable_error", code=code)
 
 
 def from_exception(exc: Exception) -> ApiError:
@@ -44,9 +67,9 @@ def from_exception(exc: Exception) -> ApiError:
     if isinstance(exc, RequestError):
         return bad_request(str(exc), exc.field)
     if isinstance(exc, QueueFullError):
-        return ApiError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded")
+        return too_many_requests(str(exc))
     if isinstance(exc, EngineDeadError):
-        return ApiError(503, str(exc), type="service_unavailable_error", code="engine_unavailable")
+        return unavailable(str(exc), ENGINE_DEAD)
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
 
 

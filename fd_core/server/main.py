@@ -1,17 +1,22 @@
 """Run the OpenAI-compatible server for a validated config until SIGTERM or SIGINT.
 
 On the signal the server drains: new requests get 503, the listening socket closes, requests
-in flight finish (bounded by ``server.shutdown_timeout_s``), then the engine process stops and
-``serve`` returns 0. It returns 1 when the engine cannot start, and 3 when the engine process
-died while serving (after ``server.exit_after_engine_death_s``), so that a supervisor restarts it.
+in flight finish, then the engine process stops and ``serve`` returns 0. Requests still in
+flight after ``server.shutdown_timeout_s`` are answered with 503 (:mod:`fd_core.server.drain`);
+uvicorn's own timeout, which would cut them off, comes :data:`SHUTDOWN_GRACE_S` later. ``serve``
+returns 1 when the engine cannot start, and 3 when the engine process died while serving
+(after ``server.exit_after_engine_death_s``), so that a supervisor restarts it. The listening
+socket is bound first of all: a busy port is one error line and exit code 2, before the engine
+process (and its model load) is started.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import uvicorn
 
@@ -21,11 +26,22 @@ if TYPE_CHECKING:
     from fd_core.config import FdConfig
     from fd_core.server.state import ServerState
 
+#: How long after ``server.shutdown_timeout_s`` uvicorn cancels what is left (what the drain
+#: could not answer: a stream whose client stopped reading it).
+SHUTDOWN_GRACE_S: Final = 5.0
+
 
 def serve(config: FdConfig) -> int:
     """Serve until told to stop; returns the exit code."""
     from fd_core.server.app import create_app
 
+    try:
+        listener = bind_listener(config.server.host, config.server.port)
+    except OSError as exc:
+        print(f"fd-serve: error: cannot listen on {_url_host(config.server.host)}:{config.server.port} "
+              f"(server.host, server.port): {exc.strerror or exc}; choose another --server.port",
+              file=sys.stderr, flush=True)
+        return 2
     root = logging.getLogger()
     log_level = logging.getLevelName(root.getEffectiveLevel())
     exit_code = 0
@@ -40,15 +56,26 @@ def serve(config: FdConfig) -> int:
     server = _Server(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, lifespan="on",
         log_level=log_level.lower(), access_log=root.isEnabledFor(logging.DEBUG),
-        timeout_graceful_shutdown=config.server.shutdown_timeout_s), app.state.fd)
-    url = f"http://{_url_host(config.server.host)}:{config.server.port}"
+        timeout_graceful_shutdown=config.server.shutdown_timeout_s + SHUTDOWN_GRACE_S), app.state.fd)
+    url = f"http://{_url_host(config.server.host)}:{listener.getsockname()[1]}"
     print(f"fd-serve: serving {app.state.fd.model_name!r} at {url}/v1 "
           f"(loading the model; {url}/health answers 200 once it is ready)", flush=True)
-    try:
-        server.run()
-    except SystemExit as exc:  # uvicorn exits this way when it cannot bind
-        return exc.code if isinstance(exc.code, int) else 1
+    server.run(sockets=[listener])
     return exit_code
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening TCP socket (IPv6 when ``host`` is an IPv6 address); raises OSError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(2048)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def _url_host(host: str) -> str:
@@ -70,3 +97,7 @@ class _Server(uvicorn.Server):
             self.force_exit = True  # a second Ctrl+C stops waiting for requests in flight
         else:
             self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._state.drain.start()  # the requests in flight have server.shutdown_timeout_s from now
+        await super().shutdown(sockets)

@@ -4,7 +4,12 @@ Everything a request can get wrong is checked here, before anything reaches the 
 raised as :class:`RequestError` naming the field (the engine validates again; its rejections
 name the field the same way). Choice ``i`` of prompt ``p`` becomes the engine request
 ``{response_id}-{p * n + i}``; with a ``seed`` and ``n`` > 1, choice ``i`` uses ``seed + i``
-so the choices differ but the response stays reproducible.
+so the choices differ but the response stays reproducible. All of one HTTP request's engine
+requests share ``group_id`` (the response id), which the scheduler uses to give them a fair share.
+
+A prompt text too long to fit ``max_model_len`` whatever its tokens (see
+:attr:`Limits.max_prompt_bytes`) is refused before it is tokenised: tokenising holds the GIL,
+and an 8 MiB prompt would take seconds to be refused anyway.
 """
 
 from __future__ import annotations
@@ -22,18 +27,29 @@ if TYPE_CHECKING:
 #: Most engine requests (prompts x n) one HTTP request may create.
 MAX_CHOICES: Final = 256
 
+#: How many UTF-8 bytes of text may normalise into one byte: Unicode normalisation (NFC, NFKC)
+#: shrinks text at most threefold (fullwidth "Ａ" or a Hangul jamo triple composing to one syllable).
+_NORMALISATION_SLACK: Final = 3
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
     """What the engine announced in READY."""
 
-    max_model_len: int   # most tokens (prompt + output) of one request
-    vocab_size: int      # token ids must be below this
-    kv_tokens: int       # KV cache capacity in tokens (num_blocks * block_size)
+    max_model_len: int      # most tokens (prompt + output) of one request
+    vocab_size: int         # token ids must be below this
+    kv_tokens: int          # KV cache capacity in tokens (num_blocks * block_size)
+    max_prompt_bytes: int   # a prompt text longer than this (UTF-8) cannot fit max_model_len
 
     @classmethod
-    def from_info(cls, info: dict[str, Any]) -> Limits:
-        return cls(info["max_model_len"], info["vocab_size"], info["num_blocks"] * info["block_size"])
+    def from_info(cls, info: dict[str, Any], tokenizer: Any) -> Limits:
+        """The limits of the engine's READY ``info`` and the front end's ``tokenizer`` (scans the vocabulary)."""
+        # Each token stands for at most its longest text (+1: a SentencePiece "▁x" decodes without
+        # the space it stands for), so max_model_len tokens cover at most that many bytes.
+        longest = max(len(tokenizer.decode([i], skip_special_tokens=False).encode())
+                      for i in range(tokenizer.vocab_size))
+        return cls(info["max_model_len"], info["vocab_size"], info["num_blocks"] * info["block_size"],
+                   info["max_model_len"] * (longest + 1) * _NORMALISATION_SLACK)
 
 
 @dataclass(slots=True)
@@ -47,7 +63,7 @@ class Prompt:
         return f"Prompt(tokens={len(self.token_ids)})"
 
 
-def completion_prompts(body: CompletionRequest, tokenizer: Any) -> list[Prompt]:
+def completion_prompts(body: CompletionRequest, tokenizer: Any, limits: Limits) -> list[Prompt]:
     """The prompts of a /v1/completions body (text, token ids, or a list of either)."""
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -58,14 +74,23 @@ def completion_prompts(body: CompletionRequest, tokenizer: Any) -> list[Prompt]:
         items = list(prompt)  # type: ignore[arg-type]
     if not items:
         raise RequestError("prompt", "prompt must not be empty")
-    return [Prompt(tokenizer.encode(item), item) if isinstance(item, str) else Prompt(list(item), None)
-            for item in items]
+    return [_encode(item, tokenizer, limits, "prompt" if len(items) == 1 else f"prompt[{i}]")
+            if isinstance(item, str) else Prompt(list(item), None) for i, item in enumerate(items)]
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: Any) -> Prompt:
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Prompt:
     """Render the messages with the model's chat template (RequestError on ``messages``)."""
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+    return _encode(text, tokenizer, limits, "messages")
+
+
+def _encode(text: str, tokenizer: Any, limits: Limits, field: str) -> Prompt:
+    size = len(text.encode())
+    if size > limits.max_prompt_bytes:
+        raise RequestError(field, (
+            f"{field} is {size} bytes of text, more than any prompt of at most max_model_len "
+            f"({limits.max_model_len}) tokens can hold ({limits.max_prompt_bytes} bytes); shorten it"))
     return Prompt(tokenizer.encode(text), text)
 
 
@@ -76,8 +101,9 @@ def build_requests(body: _SamplingFields, prompts: list[Prompt], *, max_tokens: 
     if len(prompts) * body.n > MAX_CHOICES:
         raise RequestError("n", f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} choices; "
                            f"at most {MAX_CHOICES} per request")
-    base = _sampling_params(body, max_tokens=max(1, body.min_tokens) if max_tokens is None else max_tokens,
-                            logprobs=logprobs, renames={"max_tokens": max_tokens_field, "logprobs": logprobs_field})
+    renames = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+    placeholder = max(1, body.min_tokens) if max_tokens is None else max_tokens  # replaced per prompt below
+    base = _validated(_sampling_params(body, max_tokens=placeholder, logprobs=logprobs), renames)
     requests = []
     for p_index, prompt in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
@@ -92,13 +118,15 @@ def build_requests(body: _SamplingFields, prompts: list[Prompt], *, max_tokens: 
                 f"{field} ({n_prompt} tokens) + {max_tokens_field} ({wanted}) = {n_prompt + wanted} exceeds "
                 f"max_model_len ({limits.max_model_len}); set {max_tokens_field} to at most "
                 f"{limits.max_model_len - n_prompt}"))
+        prompt_params = base if max_tokens is not None else _validated(
+            dataclasses.replace(base, max_tokens=wanted), renames)  # n x the room left may be too many
         for choice in range(body.n):
             seed = None if body.seed is None else body.seed + choice
-            params = dataclasses.replace(base, max_tokens=wanted, seed=seed, stop=list(base.stop),
+            params = dataclasses.replace(prompt_params, seed=seed, stop=list(base.stop),
                                          stop_token_ids=list(base.stop_token_ids))
             requests.append(Request(request_id=f"{response_id}-{p_index * body.n + choice}",
                                     prompt_token_ids=prompt.token_ids, sampling_params=params,
-                                    eos_token_ids=eos_token_ids, prompt=prompt.text))
+                                    eos_token_ids=eos_token_ids, prompt=prompt.text, group_id=response_id))
     return requests
 
 
@@ -115,19 +143,22 @@ def _check_prompt(prompt: Prompt, field: str, limits: Limits) -> None:
         raise RequestError(field, f"token id {bad} in {field} is outside the vocabulary (0..{limits.vocab_size - 1})")
 
 
-def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None,
-                     renames: dict[str, str]) -> SamplingParams:
-    """Validated parameters (``max_tokens`` is replaced per prompt when it was not given)."""
+def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The parameters of ``body`` (``max_tokens`` is replaced per prompt when it was not given)."""
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 
-    params = SamplingParams(
+    return SamplingParams(
         max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=pick(body.temperature, 1.0),
         top_k=pick(body.top_k, 0), top_p=pick(body.top_p, 1.0), min_p=pick(body.min_p, 0.0),
         repetition_penalty=pick(body.repetition_penalty, 1.0), presence_penalty=pick(body.presence_penalty, 0.0),
         frequency_penalty=pick(body.frequency_penalty, 0.0), seed=body.seed, stop=body.stop_list(),
         stop_token_ids=list(body.stop_token_ids or ()), include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n)
+
+
+def _validated(params: SamplingParams, renames: dict[str, str]) -> SamplingParams:
+    """``params`` once valid; RequestError naming the field as the client wrote it (``renames``)."""
     try:
         params.validate()
     except ValueError as exc:

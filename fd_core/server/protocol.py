@@ -11,6 +11,10 @@ other than ``n``, ``audio``...) are rejected with 400 naming the field. Beyond O
 accept vLLM's sampling extras: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, and
 ``stream_options.continuous_usage_stats`` (usage on every chunk).
+
+Types are strict: a value of the wrong JSON type is rejected with 400 naming the field, never
+coerced (``"max_tokens": "8"``, ``"frequency_penalty": false``, a token id ``false``); an
+integer is accepted where a number is expected (``"temperature": 1``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ Count = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 
 
 class _Body(BaseModel):
-    # allow_inf_nan: pydantic's JSON parser accepts NaN and Infinity, which no sampler can use
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: no coercion ("8" for 8, false for 0, [[false]] for token 0); JSON integers still fill floats.
+    # allow_inf_nan: pydantic's JSON parser accepts NaN and Infinity, which no sampler can use.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):

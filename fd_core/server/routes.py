@@ -1,10 +1,13 @@
 """The HTTP endpoints: completions, chat completions, models, health and metrics.
 
-A generation request is validated and turned into engine requests (:mod:`.prepare`), takes a
-concurrency slot, is queued in the engine (all its choices or none), then either streams one
-SSE event per engine delta or collects the whole answer. A client that goes away aborts its
-requests: a streaming response is cancelled by Starlette when the client disconnects, and a
-non-streaming one is watched with ``request.is_disconnected()`` while it waits.
+A generation request takes a concurrency slot, has its body read (at most
+``server.max_body_bytes``, :mod:`.body`), is parsed, validated and turned into engine requests
+on a worker thread (:mod:`.prepare`), is queued in the engine (all its choices or none), then
+either streams one SSE event per engine delta or collects the whole answer. A client that goes
+away aborts its requests: a streaming response is cancelled by Starlette when the client
+disconnects, and a non-streaming one is watched with ``request.is_disconnected()`` while it
+waits. Every wait runs in a :class:`~fd_core.server.drain.Drain` scope, so that a request still
+in flight when the shutdown timeout runs out is answered with 503 in the usual error shape.
 """
 
 from __future__ import annotations
@@ -14,16 +17,18 @@ import logging
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from fd_core.engine.results import CompletionResult
 from fd_core.errors import EngineDeadError, FdError
 from fd_core.request import FinishReason
 from fd_core.server import sse
+from fd_core.server.body import read_body
 from fd_core.server.http_errors import ApiError, bad_request, from_exception, from_validation_errors
 from fd_core.server.metrics import CONTENT_TYPE
 from fd_core.server.prepare import build_requests, chat_prompt, completion_prompts
@@ -36,13 +41,14 @@ if TYPE_CHECKING:
     from fd_core.request import Request as EngineRequest
     from fd_core.server.engine_client import RequestStream
     from fd_core.server.prepare import Limits
-    from fd_core.server.protocol import StreamOptions
+    from fd_core.server.drain import Drain
+    from fd_core.server.protocol import StreamOptions, _SamplingFields
     from fd_core.server.render import Renderer
     from fd_core.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
-BodyT = TypeVar("BodyT", bound=BaseModel)
+BodyT = TypeVar("BodyT", bound="_SamplingFields")
 
 #: How often a non-streaming request checks whether its client is still there, in seconds.
 DISCONNECT_POLL_S: Final = 0.5
@@ -109,58 +115,73 @@ async def models(request: Request) -> JSONResponse:
 
 @api.post("/completions")
 async def completions(request: Request) -> Response:
-    body = await _parse(request, CompletionRequest)
-    state = _prepare_state(request, body.model)
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (it needs prompt logprobs)", "echo")
-    prompts = completion_prompts(body, state.tokenizer)
-    response_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = build_requests(body, prompts, max_tokens=body.max_tokens, max_tokens_field="max_tokens",
-                              logprobs=body.logprobs, logprobs_field="logprobs", limits=_limits(state),
-                              eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
-    renderer = CompletionRenderer(response_id=response_id, model=state.model_name, tokenizer=state.tokenizer,
-                                  prompts=prompts, n=body.n, logprobs=body.logprobs is not None, echo=body.echo)
-    return await _generate(request, state, requests, renderer, body.stream, body.stream_options)
+    return await _generate(request, _prepare_completion)
 
 
 @api.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    body = await _parse(request, ChatCompletionRequest)
-    state = _prepare_state(request, body.model)
-    if body.max_tokens is not None and body.max_completion_tokens is not None:
-        raise bad_request("set max_completion_tokens or max_tokens, not both", "max_tokens")
-    field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    prompt = chat_prompt(body, state.tokenizer)
-    response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    requests = build_requests(body, [prompt], max_tokens=max_tokens, max_tokens_field=field, logprobs=logprobs,
-                              logprobs_field="top_logprobs", limits=_limits(state),
-                              eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
-    renderer = ChatRenderer(response_id=response_id, model=state.model_name, tokenizer=state.tokenizer,
-                            prompts=[prompt], n=body.n, logprobs=body.logprobs)
-    return await _generate(request, state, requests, renderer, body.stream, body.stream_options)
+    return await _generate(request, _prepare_chat)
 
 
 router.include_router(api)
 
 
-async def _parse(request: Request, model: type[BodyT]) -> BodyT:
-    """The body as ``model``; parsed as JSON whatever the Content-Type says (curl -d sends a form type)."""
+@dataclass(slots=True)
+class _Job:
+    """A generation request ready for the engine: its engine requests and how to answer."""
+
+    requests: list[EngineRequest]
+    renderer: Renderer
+    stream: bool
+    options: StreamOptions | None
+
+
+def _prepare_completion(raw: bytes, state: ServerState) -> _Job:
+    """Parse and prepare a /v1/completions body (on a worker thread)."""
+    body = _parse(raw, CompletionRequest, state)
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (it needs prompt logprobs)", "echo")
+    limits = _limits(state)
+    prompts = completion_prompts(body, state.tokenizer, limits)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = build_requests(body, prompts, max_tokens=body.max_tokens, max_tokens_field="max_tokens",
+                              logprobs=body.logprobs, logprobs_field="logprobs", limits=limits,
+                              eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
+    renderer = CompletionRenderer(response_id=response_id, model=state.model_name, tokenizer=state.tokenizer,
+                                  prompts=prompts, n=body.n, logprobs=body.logprobs is not None, echo=body.echo)
+    return _Job(requests, renderer, body.stream, body.stream_options)
+
+
+def _prepare_chat(raw: bytes, state: ServerState) -> _Job:
+    """Parse, template and prepare a /v1/chat/completions body (on a worker thread)."""
+    body = _parse(raw, ChatCompletionRequest, state)
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise bad_request("set max_completion_tokens or max_tokens, not both", "max_tokens")
+    field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    limits = _limits(state)
+    prompt = chat_prompt(body, state.tokenizer, limits)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    requests = build_requests(body, [prompt], max_tokens=max_tokens, max_tokens_field=field, logprobs=logprobs,
+                              logprobs_field="top_logprobs", limits=limits,
+                              eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
+    renderer = ChatRenderer(response_id=response_id, model=state.model_name, tokenizer=state.tokenizer,
+                            prompts=[prompt], n=body.n, logprobs=body.logprobs)
+    return _Job(requests, renderer, body.stream, body.stream_options)
+
+
+def _parse(raw: bytes, model: type[BodyT], state: ServerState) -> BodyT:
+    """The body as ``model``, asking for the served model (404 otherwise); parsed as JSON whatever
+    the Content-Type says (curl -d sends a form type)."""
     try:
-        return model.model_validate_json(await request.body())
+        body = model.model_validate_json(raw)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors()) from None
-
-
-def _prepare_state(request: Request, model: str | None) -> ServerState:
-    """The state, once the server can take generation requests and ``model`` is the one served."""
-    state = _state(request)
-    state.check_serving()
-    if model is not None and model != state.model_name:
-        raise ApiError(404, f"model {model!r} not found; this server serves {state.model_name!r}",
+    if body.model is not None and body.model != state.model_name:
+        raise ApiError(404, f"model {body.model!r} not found; this server serves {state.model_name!r}",
                        type="invalid_request_error", param="model", code="model_not_found")
-    return state
+    return body
 
 
 def _limits(state: ServerState) -> Limits:
@@ -168,32 +189,38 @@ def _limits(state: ServerState) -> Limits:
     return state.limits
 
 
-async def _generate(request: Request, state: ServerState, requests: list[EngineRequest], renderer: Renderer,
-                    stream: bool, options: StreamOptions | None) -> Response:
+async def _generate(request: Request, prepare: Callable[[bytes, ServerState], _Job]) -> Response:
+    """Serve one generation request whose body ``prepare`` turns into a job (on a worker thread)."""
+    state = _state(request)
+    state.check_serving()
     state.admit()
+    streaming = False  # once the stream is built, it releases the slot when it ends
     try:
-        outputs = await state.client.add(requests)
-    except BaseException:
-        state.release()
-        raise
-    if stream:
-        def on_close() -> None:
-            outputs.close()
-            state.release()
+        async with state.drain.scope():
+            raw = await read_body(request, state.config.server.max_body_bytes)
+            job = await state.run_blocking(prepare, raw, state)
+            outputs = await state.client.add(job.requests)
+            if job.stream:
+                def on_close() -> None:
+                    outputs.close()
+                    state.release()
 
-        return _EventStream(_events(outputs, renderer, options), on_close=on_close)
-    try:
-        results = await _collect_while_connected(request, outputs, requests)
+                streaming = True
+                return _EventStream(_events(outputs, job.renderer, job.options, state.drain), on_close=on_close)
+            try:
+                results = await _collect_while_connected(request, outputs, job.requests)
+            finally:
+                outputs.close()
     finally:
-        outputs.close()
-        state.release()
+        if not streaming:
+            state.release()
     if results is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     failed = next((r for r in results if r.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)), None)
     if failed is not None:
         raise ApiError(500, f"the engine could not complete the request: {failed.error or 'aborted'}",
                        type="server_error")
-    return JSONResponse(renderer.body(results))
+    return JSONResponse(job.renderer.body(results))
 
 
 async def _collect_while_connected(request: Request, outputs: RequestStream,
@@ -236,10 +263,11 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-async def _events(outputs: RequestStream, renderer: Renderer, options: StreamOptions | None) -> AsyncIterator[bytes]:
+async def _events(outputs: RequestStream, renderer: Renderer, options: StreamOptions | None,
+                  drain: Drain) -> AsyncIterator[bytes]:
     """The SSE body: start chunks, one chunk per delta, the usage chunk, ``[DONE]``.
 
-    An error (engine died, request failed) becomes an error event before ``[DONE]``.
+    An error (engine died, request failed, shutdown timeout) becomes an error event before ``[DONE]``.
     Cancellation (client gone) aborts the unfinished requests through ``outputs.close()``.
     """
     include_usage = options is not None and options.include_usage
@@ -248,7 +276,7 @@ async def _events(outputs: RequestStream, renderer: Renderer, options: StreamOpt
     try:
         for chunk in renderer.start_chunks():
             yield sse.event(chunk)
-        async for output in outputs:
+        async for output in drain.iterate(outputs):
             if output.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 message = f"the engine could not complete the request: {output.error or 'aborted'}"
                 yield sse.event(ApiError(500, message, type="server_error").body())
@@ -259,7 +287,7 @@ async def _events(outputs: RequestStream, renderer: Renderer, options: StreamOpt
         else:
             if include_usage:
                 yield sse.event(renderer.usage_chunk(sum(completion_tokens.values())))
-    except EngineDeadError as exc:
+    except (EngineDeadError, ApiError) as exc:
         yield sse.event(from_exception(exc).body())
     finally:
         outputs.close()  # aborts at once on cancellation; _EventStream releases the slot

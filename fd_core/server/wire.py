@@ -2,7 +2,7 @@
 
 Every message is one list whose first item is its kind. Front end -> engine (one PUSH/PULL pair)::
 
-    [ADD, request_id, prompt_token_ids, sampling_param_values, eos_token_ids, arrival_time]
+    [ADD, request_id, prompt_token_ids, sampling_param_values, eos_token_ids, arrival_time, group_id]
     [ABORT, [request_id, ...]]
     [STATS, nonce]
     [SHUTDOWN]
@@ -14,7 +14,7 @@ Engine -> front end (a second PUSH/PULL pair)::
              "kernels", "warm_up_s"}]
     [FAILED, message]                                  the engine could not start
     [ACK, request_id]                                  add_request accepted it
-    [REJECT, request_id, kind, field, message]         kind: "invalid" or "queue_full"
+    [REJECT, request_id, kind, field, message]         kind: "invalid", "queue_full" or "internal"
     [OUTPUTS, [output, ...]]                           one batch of get_results()
     [STATS_REPLY, nonce, {EngineStats as a dict}]
 
@@ -52,6 +52,7 @@ STARTING: Final = 16
 #: REJECT kinds.
 INVALID: Final = "invalid"
 QUEUE_FULL: Final = "queue_full"
+INTERNAL: Final = "internal"      # a plugin failed on this request; ``field`` names the plugin
 
 _SAMPLING_FIELDS: Final = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -67,14 +68,14 @@ def unpack(data: bytes) -> list[Any]:
 def encode_request(request: Request) -> list[Any]:
     params = request.sampling_params
     return [ADD, request.request_id, request.prompt_token_ids, [getattr(params, f) for f in _SAMPLING_FIELDS],
-            list(request.eos_token_ids), request.arrival_time]
+            list(request.eos_token_ids), request.arrival_time, request.group_id]
 
 
 def decode_request(message: list[Any]) -> Request:
-    _, request_id, prompt_token_ids, values, eos_token_ids, arrival_time = message
+    _, request_id, prompt_token_ids, values, eos_token_ids, arrival_time, group_id = message
     return Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                    sampling_params=SamplingParams(**dict(zip(_SAMPLING_FIELDS, values, strict=True))),
-                   eos_token_ids=tuple(eos_token_ids), arrival_time=arrival_time)
+                   eos_token_ids=tuple(eos_token_ids), arrival_time=arrival_time, group_id=group_id)
 
 
 def encode_output(o: RequestOutput) -> list[Any]:

@@ -88,7 +88,9 @@ def check_resource_manager(
       position of both, whose tokens agree up to the end of that block;
     * ``num_free_blocks()`` equals ``num_blocks`` minus the blocks live requests hold;
     * preempted ids are live requests, now PREEMPTED with no computed tokens and no row;
-    * ``stats()`` agrees with the above and its counters never decrease.
+    * ``stats()`` agrees with the above and its counters never decrease;
+    * ``finish_requests`` frees at once and does not set FINISHED (the core does); ending a
+      request a second time changes nothing.
 
     After the drain every request is FINISHED with a reason and every block is free.
     Deterministic for a given ``seed`` and a deterministic manager. Raises ConformanceError.
@@ -191,20 +193,20 @@ class _Simulation:
         self.computed[request.request_id] = 0
 
     def abort(self, request_id: str) -> None:
+        """End one request between steps, as the engine core does on an abort."""
         request = self.live[request_id]
-        if self.manager.abort(request_id) is not request:
-            self.fail(f"abort({request_id!r}) did not return the request")
-        self._check_finished(request, FinishReason.ABORT)
-        self._forget(request_id)
+        self.finish([request], FinishReason.ABORT)
         self.num_aborted += 1
-        if self.manager.abort(request_id) is not None:
-            self.fail(f"a second abort({request_id!r}) did not return None")
+        self.manager.finish_requests([request], FinishReason.ABORT)   # a second end must change nothing
         self.check_blocks()
 
     def finish(self, requests: list[Request], reason: FinishReason) -> None:
+        """End requests as the engine core does: the manager frees, then the core marks them."""
         self.manager.finish_requests(requests, reason)
         for request in requests:
-            self._check_finished(request, reason)
+            if request.status is RequestStatus.FINISHED:
+                self.fail(f"{request!r}: finish_requests set FINISHED itself; the engine core owns that")
+            request.status, request.finish_reason = RequestStatus.FINISHED, reason
             self._forget(request.request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -329,11 +331,6 @@ class _Simulation:
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         if self.manager.has_unfinished() != bool(self.live):
             self.fail(f"has_unfinished() is {self.manager.has_unfinished()} with {len(self.live)} live requests")
-
-    def _check_finished(self, request: Request, reason: FinishReason) -> None:
-        if request.status is not RequestStatus.FINISHED or request.finish_reason is not reason:
-            self.fail(f"{request!r} should be FINISHED with reason {reason.value}, "
-                      f"has {request.status.value} / {request.finish_reason}")
 
     def check_drained(self, requests: list[Request]) -> None:
         unfinished = [r for r in requests if r.status is not RequestStatus.FINISHED or r.finish_reason is None]

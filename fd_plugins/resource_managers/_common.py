@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from fd_core.contracts.resource_manager import KVStats, ResourceManager
 from fd_core.outputs import ScheduledRequest
-from fd_core.request import FinishReason, RequestStatus
+from fd_core.request import RequestStatus
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from fd_core.contracts.resource_manager import KVLimits
-    from fd_core.request import Request
+    from fd_core.request import FinishReason, Request
     from fd_plugins.resource_managers.block_pool import BlockPool, KVBlock
 
 
@@ -66,20 +66,10 @@ class QueuedBlockManager(ResourceManager):
     def finish_requests(self, requests: list[Request], reason: FinishReason) -> None:
         done = [r for r in requests if self._unfinished.get(r.request_id) is r]
         for request in done:
-            self._retire(request, reason)
+            self._retire(request)
         ids = {r.request_id for r in done}
         if ids:
             self.running = [r for r in self.running if r.request_id not in ids]
-
-    def abort(self, request_id: str) -> Request | None:
-        request = self._unfinished.get(request_id)
-        if request is None:
-            return None
-        was_running = request.status is RequestStatus.RUNNING
-        self._retire(request, FinishReason.ABORT)
-        if was_running:
-            self.running.remove(request)   # Request compares by identity
-        return request
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free
@@ -131,8 +121,8 @@ class QueuedBlockManager(ResourceManager):
         if table is not None:
             self.pool.free(table.blocks[::-1])
 
-    def _retire(self, request: Request, reason: FinishReason) -> None:
-        """Free the request's blocks, drop it from ``waiting`` and mark it finished.
+    def _retire(self, request: Request) -> None:
+        """Free the request's blocks and drop it from ``waiting``; the core marks it finished.
 
         The caller removes it from ``running`` (finish_requests does so in one pass).
         """
@@ -140,5 +130,3 @@ class QueuedBlockManager(ResourceManager):
         del self._unfinished[request.request_id]
         if request.status is not RequestStatus.RUNNING:
             self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason

@@ -51,7 +51,7 @@ class V0ResourceManager(QueuedBlockManager):
     """Whole-prompt admission with blocks promised for each request's full length."""
 
     name: ClassVar[str] = "v0"
-    fd_hookspec_version: ClassVar[int] = 1
+    fd_hookspec_version: ClassVar[int] = 2
     settings_model: ClassVar[type[BaseModel]] = V0Settings
 
     def __init__(self, settings: V0Settings | None, *, limits: KVLimits, hooks: Any) -> None:

@@ -1,8 +1,13 @@
 """The ``local`` request scheduler: an in-process, bounded, thread-safe queue with TTL and abort.
 
-Admission order is FIFO unless a plugin implements ``fd_order_waiting``. Requests older than
-``ttl_s`` when the engine asks for work are answered with an error output instead of run.
-Results are kept per origin in arrival order; every origin here is this process.
+Admission order is FIFO with fair shares for sibling requests, unless a plugin implements
+``fd_order_waiting``: the ``n`` choices of one client call share a ``Request.group_id``, and
+groups take turns (one request of each group in order of arrival, then the next round), so a
+call with ``n=128`` does not hold everyone behind it until all its choices are admitted.
+Requests older than ``ttl_s`` when the engine asks for work are answered with an error output
+instead of run; they never reached the engine, so the scheduler itself answers them (as it does
+an abort while queued). Results are kept per origin in arrival order; every origin here is this
+process.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.contracts.scheduler import Scheduler
+from fd_core.plugin_guard import DecisionHooks
 from fd_core.errors import QueueFullError
 from fd_core.outputs import RequestOutput
-from fd_core.request import FinishReason, RequestStatus
+from fd_core.request import FinishReason
 
 if TYPE_CHECKING:
     from fd_core.request import Request
@@ -35,7 +41,7 @@ class LocalScheduler(Scheduler):
     """In-process FIFO queue (order hookable) with a size limit and TTL."""
 
     name: ClassVar[str] = "local"
-    fd_hookspec_version: ClassVar[int] = 1
+    fd_hookspec_version: ClassVar[int] = 2
     settings_model: ClassVar[type[BaseModel]] = LocalSchedulerSettings
 
     def __init__(self, settings: LocalSchedulerSettings | None, *, hooks: Any, max_queue_size: int) -> None:
@@ -46,6 +52,7 @@ class LocalScheduler(Scheduler):
         self._has_requests = threading.Condition(self._lock)
         self._has_results = threading.Condition(self._lock)
         self._woken = False
+        self._decisions = DecisionHooks(hooks)
 
     def put_request(self, request: Request) -> None:
         with self._lock:
@@ -102,17 +109,22 @@ class LocalScheduler(Scheduler):
             self._has_results.notify_all()
 
     def admission_order(self, waiting: list[Request], now: float) -> list[Request]:
-        """Order of admission: the ``fd_order_waiting`` hook's answer, else FIFO.
+        """Order of admission: the ``fd_order_waiting`` hook's answer, else :func:`fair_fifo`.
 
         Subclasses may override it; it runs with the queue lock held and must return a
-        permutation of ``waiting``.
+        permutation of ``waiting``. A hook that raises or answers anything else is reported once
+        and the default order is used (see :class:`~fd_core.plugin_guard.DecisionHooks`).
         """
-        ordered = self.hooks.fd_order_waiting(waiting=waiting, now=now)
-        if ordered is None:
-            return waiting
-        if sorted(map(id, ordered)) != sorted(map(id, waiting)):
-            raise ValueError("fd_order_waiting must return a permutation of the waiting requests")
-        return list(ordered)
+
+        def is_permutation(answer: Any) -> str | None:
+            try:
+                same = sorted(map(id, answer)) == sorted(map(id, waiting))
+            except TypeError:
+                same = False
+            return None if same else "is not a permutation of the waiting requests"
+
+        ordered = self._decisions.call("fd_order_waiting", is_permutation, waiting=list(waiting), now=now)
+        return fair_fifo(waiting) if ordered is None else list(ordered)
 
     def _expire(self, now: float) -> None:
         """Answer queued requests older than the TTL (lock held)."""
@@ -126,9 +138,27 @@ class LocalScheduler(Scheduler):
         self._waiting = kept
 
     def _answer(self, request: Request, reason: FinishReason, error: str | None) -> None:
-        """Finish a request that never reached the engine (lock held)."""
-        request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, error
+        """Answer a request that never reached the engine (lock held)."""
         self._results.append(RequestOutput(
             request_id=request.request_id, finished=True, finish_reason=reason, error=error,
             num_prompt_tokens=request.num_prompt_tokens))
         self._has_results.notify_all()
+
+
+def fair_fifo(waiting: list[Request]) -> list[Request]:
+    """Arrival order, with sibling requests (same ``group_id``) taking turns with other calls.
+
+    Round ``k`` holds the ``k``-th request of every group, groups in order of their first
+    arrival; a request without a group is a group of one. ``[A0, A1, A2, B0, C0]`` becomes
+    ``[A0, B0, C0, A1, A2]``.
+    """
+    groups: dict[object, list[Request]] = {}
+    for request in waiting:
+        groups.setdefault(request.group_id if request.group_id is not None else id(request), []).append(request)
+    if len(groups) == len(waiting):
+        return waiting
+    rounds: list[Request] = []
+    depth = max(len(members) for members in groups.values())
+    for k in range(depth):
+        rounds.extend(members[k] for members in groups.values() if k < len(members))
+    return rounds

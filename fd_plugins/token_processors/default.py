@@ -17,20 +17,18 @@ that reaches ``min_tokens`` may itself stop); before that they are ordinary toke
 When a request finishes in a step, held-back text is flushed (or cut at the stop string), so
 the deltas concatenate to ``decode(outputs minus a final stop token)`` cut at the stop string.
 
-Requests finished in a step are reported to the resource manager once per step: one
-``finish_requests`` call per finish reason, with every request that finished for it.
-:meth:`DefaultTokenProcessor.finish` (abort, error) does not call the resource manager, since
-the engine frees those itself, and it drops held-back text (at most an incomplete character and
-a partial stop string): an aborted stream ends with what was already sent.
+A finish is *reported* by the output's ``finish_reason``; the engine core ends the request.
+:meth:`DefaultTokenProcessor.forget` drops the request's state, including held-back text (at
+most an incomplete character and a partial stop string): an aborted stream ends with what was
+already sent.
 
-Metrics: the output carrying the first token and the final output get a
-:class:`~fd_core.outputs.RequestMetrics` snapshot; the others carry ``metrics=None``.
+Metrics: the output carrying the first token gets a :class:`~fd_core.outputs.RequestMetrics`
+snapshot (the core fills the final output's); the others carry ``metrics=None``.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -38,12 +36,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.contracts.token_processor import TokenProcessor
 from fd_core.outputs import RequestMetrics, RequestOutput
-from fd_core.request import FinishReason, RequestStatus
+from fd_core.request import FinishReason
 from fd_plugins.token_processors.detokenizer import IncrementalDetokenizer
 from fd_plugins.token_processors.stops import StopStringMatcher
 
 if TYPE_CHECKING:
-    from fd_core.contracts.resource_manager import ResourceManager
     from fd_core.outputs import SampledToken, StepPlan, StepResult
     from fd_core.request import Request
 
@@ -72,13 +69,13 @@ class DefaultTokenProcessor(TokenProcessor):
     """Stops, incremental detokenization, logprobs, finish reasons and metrics."""
 
     name: ClassVar[str] = "default"
-    fd_hookspec_version: ClassVar[int] = 1
+    fd_hookspec_version: ClassVar[int] = 2
     settings_model: ClassVar[type[BaseModel]] = DefaultTokenProcessorSettings
 
     def __init__(self, settings: DefaultTokenProcessorSettings | None, *, tokenizer: object,
-                 resource_manager: ResourceManager, max_model_len: int) -> None:
+                 max_model_len: int) -> None:
         super().__init__(settings or DefaultTokenProcessorSettings(), tokenizer=tokenizer,
-                         resource_manager=resource_manager, max_model_len=max_model_len)
+                         max_model_len=max_model_len)
         self._skip_special_tokens: bool = self.settings.skip_special_tokens
         self._states: dict[str, _RequestState] = {}   # request id -> state, until finished
 
@@ -96,40 +93,16 @@ class DefaultTokenProcessor(TokenProcessor):
             return []
         now = time.time()
         outputs: list[RequestOutput] = []
-        finished: defaultdict[FinishReason, list[Request]] = defaultdict(list)
         for row in plan.scheduled:
             request = row.request
             token = sampled.get(request.request_id)
             # A finished row was aborted after the plan was made; its last output is already out.
-            if token is None or request.is_finished:
-                continue
-            output = self._on_token(request, token, now)
-            outputs.append(output)
-            if output.finish_reason is not None:
-                finished[output.finish_reason].append(request)
-        for reason, requests in finished.items():
-            # The resource manager frees the blocks before the next plan; status is set after,
-            # so a manager that skips already-finished requests still frees these.
-            self.resource_manager.finish_requests(requests, reason)
-            for request in requests:
-                request.status = RequestStatus.FINISHED
+            if token is not None and not request.is_finished:
+                outputs.append(self._on_token(request, token, now))
         return outputs
 
-    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
-        """Finish ``request`` from outside a step; held-back text is dropped, not flushed.
-
-        The caller frees the request's blocks (``resource_manager.abort`` or
-        ``finish_requests``); this only ends the stream and the processor's state.
-        """
-        self._states.pop(request.request_id, None)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.error = error
-        request.finished_time = time.time()
-        return RequestOutput(request.request_id, finished=True, finish_reason=reason, error=error,
-                             num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=len(request.output_token_ids),
-                             num_cached_tokens=request.num_cached_tokens, metrics=_metrics(request))
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
 
     def _new_state(self, request: Request) -> _RequestState:
         params = request.sampling_params
@@ -176,28 +149,9 @@ class DefaultTokenProcessor(TokenProcessor):
                                num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=num_outputs,
                                num_cached_tokens=request.num_cached_tokens)
         if reason is not None:
-            del self._states[request.request_id]
-            request.finish_reason = reason
-            request.finished_time = now
             output.finished = True
             output.finish_reason = reason
-            output.metrics = _metrics(request)
         elif first:
-            output.metrics = _metrics(request)
+            output.metrics = RequestMetrics.snapshot(request)
         return output
 
-
-def _metrics(request: Request) -> RequestMetrics:
-    """A snapshot of the request's timings so far."""
-    arrival = request.arrival_time
-    first = request.first_token_time
-    done = request.finished_time
-    num_outputs = len(request.output_token_ids)
-    return RequestMetrics(
-        arrival_time=arrival,
-        queue_time=None if request.scheduled_time is None else request.scheduled_time - arrival,
-        ttft=None if first is None else first - arrival,
-        tpot=(done - first) / (num_outputs - 1) if first is not None and done is not None and num_outputs > 1
-        else None,
-        e2e=None if done is None else done - arrival,
-    )

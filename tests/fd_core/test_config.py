@@ -77,3 +77,33 @@ def test_docs_config_reference_is_up_to_date():
 
     committed = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
     assert committed == render(), "regenerate: python -m fd_core.config_reference > docs/config.md"
+
+
+def test_every_error_is_reported_at_once(deploy):
+    deploy.write_text("[cache]\nblock_size = 0\n\n[server]\nport = -1\nmax_concurrency = 0\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(deploy)
+    assert str(info.value).splitlines() == [
+        "cache.block_size: Input should be greater than 0",
+        "server.port: Input should be greater than or equal to 0",
+        "server.max_concurrency: Input should be greater than 0"]
+    assert info.value.key == "cache.block_size"
+
+
+def test_an_env_value_names_its_variable_unless_the_cli_overrides_it(deploy, monkeypatch):
+    monkeypatch.setenv("FD_CACHE__BLOCK_SIZE", "0")
+    with pytest.raises(ConfigError, match=r"^cache\.block_size: .* 0 \(from FD_CACHE__BLOCK_SIZE\)$"):
+        load_config(deploy)
+    monkeypatch.setenv("FD_CACHE__BLOCK_SIZE", "8")
+    with pytest.raises(ConfigError) as info:
+        load_config(deploy, cli_args=["--cache.block_size", "0"])
+    assert str(info.value) == "cache.block_size: Input should be greater than 0"
+    assert load_config(deploy).env_var_of("cache.block_size") == "FD_CACHE__BLOCK_SIZE"
+    assert load_config(deploy, cache={"block_size": 4}).env_var_of("cache.block_size") is None
+
+
+@pytest.mark.parametrize("key", ["", " ", "\t\n"])
+def test_an_empty_or_blank_api_key_is_refused(key):
+    with pytest.raises(ConfigError, match=r"^server\.api_key: must not be empty or blank"):
+        load_config(server={"api_key": key})
+    assert load_config(server={"api_key": " k "}).server.api_key.get_secret_value() == " k "

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from tests.conftest import run_fd_serve
 
 pytestmark = pytest.mark.usefixtures("demo_plugins")
@@ -66,7 +67,7 @@ def test_name_clash_is_shadowed_with_a_deterministic_winner():
 
 def test_hookspec_version_mismatch_is_refused_naming_the_plugin(tmp_path):
     table = run_fd_serve("plugins", "list").stdout
-    assert "failed: was written for hookspec version 0; this core speaks version 1" in \
+    assert f"failed: was written for hookspec version 0; this core speaks version {FD_HOOKSPEC_VERSION}" in \
         _row(table, "fd.schedulers", "old", "fd-other-plugins")
     deploy = tmp_path / "deploy.toml"
     deploy.write_text('[scheduler]\nname = "old"\n')
@@ -110,18 +111,41 @@ def test_requested_platform_that_is_not_available_is_refused(tmp_path):
 def test_strict_mode_turns_a_broken_plugin_into_a_startup_error(tmp_path):
     lenient = run_fd_serve("--check")
     assert lenient.returncode == 0, lenient.stderr
-    strict = run_fd_serve("--check", "--strict")
+    strict = run_fd_serve("--check", "--strict", "--plugins.disabled", '["fd.plugins/typo"]')
     assert strict.returncode != 0
     assert "plugin fd.schedulers/broken (fd_other_plugins.broken:Scheduler, fd-other-plugins 0.0.1)" in strict.stderr
     deploy = tmp_path / "deploy.toml"
-    deploy.write_text("[plugins]\nstrict = true\n")
+    deploy.write_text('[plugins]\nstrict = true\ndisabled = ["fd.plugins/typo"]\n')
     by_config = run_fd_serve("--config", str(deploy), "--check")
     assert by_config.returncode != 0 and "fd.schedulers/broken" in by_config.stderr
 
 
-def test_disabled_plugin_is_not_imported(tmp_path):
+def test_a_misspelt_hook_is_reported_naming_the_plugin(tmp_path):
+    """fd-other-plugins' ``typo`` implements ``fd_order_wating``: pluggy's check_pending() finds it."""
+    row = _row(run_fd_serve("plugins", "list").stdout, "fd.plugins", "typo", "fd-other-plugins")
+    assert "failed: implements fd_order_wating (did you mean fd_order_waiting?)" in row
+    lenient = run_fd_serve("--check")
+    assert lenient.returncode == 0, lenient.stderr
+    assert "plugin fd.plugins/typo (fd_other_plugins.typo, fd-other-plugins 0.0.1) failed to load" in lenient.stderr
     deploy = tmp_path / "deploy.toml"
     deploy.write_text('[plugins]\nstrict = true\ndisabled = ["fd.schedulers/broken", "fd.schedulers/old"]\n')
+    strict = run_fd_serve("--config", str(deploy), "--check")
+    assert strict.returncode == 2
+    assert "plugin fd.plugins/typo (fd_other_plugins.typo, fd-other-plugins 0.0.1): implements fd_order_wating" \
+        in strict.stderr
+    assert "Traceback" not in strict.stderr
+
+
+def test_a_named_connector_that_is_not_installed_lists_the_choices():
+    result = run_fd_serve("--check", "--connector.name", "zmq")
+    assert result.returncode == 2
+    assert "connector.name: plugin fd.connectors/zmq: no such connector; available: none" in result.stderr
+
+
+def test_disabled_plugin_is_not_imported(tmp_path):
+    deploy = tmp_path / "deploy.toml"
+    deploy.write_text('[plugins]\nstrict = true\n'
+                      'disabled = ["fd.schedulers/broken", "fd.schedulers/old", "fd.plugins/typo"]\n')
     result = run_fd_serve("--config", str(deploy), "--check")
     assert result.returncode == 0, result.stderr
 

@@ -1,11 +1,14 @@
-"""Start-up resolution: an explicit platform's worker env is in place before its probe runs."""
+"""Start-up resolution: worker env before the probe; every check that would fail later, at once."""
 
 from __future__ import annotations
 
 import os
 from typing import ClassVar
 
+import pytest
+
 from fd_core.config import load_config
+from fd_core.errors import ConfigError
 from fd_core.contracts.platform import DetectResult, MemoryProfile, Platform
 from fd_core.registry import Registry
 from fd_core.selection import resolve
@@ -18,7 +21,7 @@ class EnvProbe(Platform):
     """Records what the environment said when detect() ran."""
 
     name: ClassVar[str] = "envprobe"
-    fd_hookspec_version: ClassVar[int] = 1
+    fd_hookspec_version: ClassVar[int] = 2
     seen: ClassVar[str | None] = None
 
     @classmethod
@@ -52,3 +55,69 @@ def test_explicit_platform_env_is_applied_before_detection(monkeypatch):
     selection = resolve(config, _registry(), apply_worker_env=True)
     assert EnvProbe.seen == "3,4"
     assert selection.platform_reason == "explicit: always"
+
+
+class NoPrefixCacheManager(V1ResourceManager):
+    """A resource manager declaring it has no prefix cache (as v0 should)."""
+
+    name: ClassVar[str] = "noprefix"
+    supports_prefix_caching: ClassVar[bool] = False
+
+
+def _checked(tmp_path, **sections):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"")  # a .gguf path is judged by name and existence, not read
+    registry = Registry.from_plugins({"platform": [EnvProbe], "scheduler": [LocalScheduler],
+                                      "resource_manager": [V1ResourceManager, NoPrefixCacheManager],
+                                      "token_processor": [DefaultTokenProcessor]})
+    sections.setdefault("model", {})
+    sections["model"].setdefault("source", str(model))
+    return resolve(load_config(platform={"name": "envprobe"}, **sections), registry)
+
+
+def test_a_valid_config_resolves_the_platform_instance_and_prefix_caching(tmp_path):
+    selection = _checked(tmp_path)
+    assert isinstance(selection.platform, EnvProbe)
+    assert selection.enable_prefix_caching is True       # unset: what v1 supports
+    assert _checked(tmp_path, cache={"enable_prefix_caching": False}).enable_prefix_caching is False
+    assert _checked(tmp_path, resource_manager={"name": "noprefix"}).enable_prefix_caching is False
+
+
+def test_prefix_caching_on_a_manager_without_it_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"^cache\.enable_prefix_caching: resource manager 'noprefix' has no "):
+        _checked(tmp_path, resource_manager={"name": "noprefix"}, cache={"enable_prefix_caching": True})
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("missing", "/missing' not found: no such file or folder, and not a known alias"),
+    ("folder", "is a folder without config.json"),
+    ("weights.bin", "is neither a model folder nor a .gguf file"),
+])
+def test_a_model_source_that_cannot_load_is_refused_before_loading(tmp_path, source, expected):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^model\.source: ") as info:
+        _checked(tmp_path, model={"source": str(tmp_path / source)})
+    assert expected in str(info.value)
+
+
+def test_every_problem_is_reported_at_once_naming_env_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("FD_PARALLEL__DATA_PARALLEL_SIZE", "2")
+    with pytest.raises(ConfigError) as info:
+        _checked(tmp_path, model={"dtype": "float16"}, parallel={"tensor_parallel_size": 4},
+                 scheduler={"options": {"ttl_s": -1, "bogus": 1}})
+    assert str(info.value).splitlines() == [
+        "scheduler.options.ttl_s: Input should be greater than 0",
+        "scheduler.options.bogus: Extra inputs are not permitted",
+        "parallel.tensor_parallel_size: 4 is not supported yet: only 1 runs in this version",
+        "parallel.data_parallel_size: 2 is not supported yet: only 1 runs in this version "
+        "(from FD_PARALLEL__DATA_PARALLEL_SIZE)",
+        "model.dtype: 'float16' is not supported by platform 'envprobe'; it supports ['float32']"]
+
+
+def test_v0_with_prefix_caching_on_names_the_key():
+    config = load_config(resource_manager={"name": "v0"}, cache={"enable_prefix_caching": True})
+    with pytest.raises(ConfigError, match=r"cache\.enable_prefix_caching: resource manager 'v0' has no prefix cache"):
+        resolve(config)
+    assert resolve(load_config(resource_manager={"name": "v0"})).enable_prefix_caching is False
+    assert resolve(load_config(resource_manager={"name": "v1"})).enable_prefix_caching is True

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fd_core.plugin_guard import DecisionHooks
 from fd_core.outputs import StepPlan
 from fd_core.request import FinishReason, RequestStatus
 from fd_plugins.resource_managers._common import BlockTable, QueuedBlockManager, cdiv
@@ -63,7 +64,8 @@ class V1ResourceManager(QueuedBlockManager):
     """Token-budget scheduler with chunked prefill, recompute preemption and prefix caching."""
 
     name: ClassVar[str] = "v1"
-    fd_hookspec_version: ClassVar[int] = 1
+    fd_hookspec_version: ClassVar[int] = 2
+    supports_prefix_caching: ClassVar[bool] = True
     settings_model: ClassVar[type[BaseModel]] = V1Settings
 
     def __init__(self, settings: V1Settings | None, *, limits: KVLimits, hooks: Any) -> None:
@@ -72,6 +74,7 @@ class V1ResourceManager(QueuedBlockManager):
         pool = BlockPool(limits.num_blocks,
                          on_evict=self.prefix_cache.forget if self.prefix_cache is not None else None)
         super().__init__(settings, limits=limits, hooks=hooks, pool=pool)
+        self._decisions = DecisionHooks(hooks)
         self._long_prefill_threshold = settings.long_prefill_token_threshold
         self._hashes: dict[str, list[bytes]] = {}   # request id -> its chain of full-block hashes
         self._cache_queries = 0                     # tokens looked up in the prefix cache
@@ -168,7 +171,8 @@ class V1ResourceManager(QueuedBlockManager):
         n = min(behind, budget)
         if behind == 1 or not self.limits.enable_chunked_prefill:
             return n
-        proposal = self.hooks.fd_prefill_chunk_size(request=request, remaining_prompt=behind, budget=budget)
+        proposal = self._decisions.call("fd_prefill_chunk_size", _is_token_count,
+                                        request=request, remaining_prompt=behind, budget=budget)
         if proposal is not None:
             return max(1, min(int(proposal), n))
         if self._long_prefill_threshold is not None:
@@ -176,13 +180,14 @@ class V1ResourceManager(QueuedBlockManager):
         return n
 
     def _select_victim(self, needed_by: Request) -> Request:
-        victim = self.hooks.fd_select_preemption_victim(running=list(self.running), needed_by=needed_by)
-        if victim is None:
-            return self.running[-1]
-        if not any(r is victim for r in self.running):
-            raise ValueError(f"fd_select_preemption_victim returned {victim!r}, which is not running; "
-                             "the victim must be one of the `running` requests it was given")
-        return victim
+        running = list(self.running)
+
+        def is_running(victim: Any) -> str | None:
+            return None if any(r is victim for r in running) else "is not one of the running requests it was given"
+
+        victim = self._decisions.call("fd_select_preemption_victim", is_running, running=running,
+                                      needed_by=needed_by)
+        return self.running[-1] if victim is None else victim
 
     def _preempt(self, victim: Request, rows: dict[str, ScheduledRequest]) -> int:
         """Recompute-preempt ``victim``; return the budget its row of this step gave back."""
@@ -216,6 +221,13 @@ class V1ResourceManager(QueuedBlockManager):
             self.prefix_cache.insert(table.blocks[i], hashes[i])
         table.num_cached_blocks = full
 
-    def _retire(self, request: Request, reason: FinishReason) -> None:
-        super()._retire(request, reason)
+    def _retire(self, request: Request) -> None:
+        super()._retire(request)
         self._hashes.pop(request.request_id, None)
+
+
+def _is_token_count(answer: Any) -> str | None:
+    """Check of an ``fd_prefill_chunk_size`` answer (the manager clamps it into range)."""
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        return None
+    return "is not an int"

@@ -16,7 +16,7 @@ def async_llm(tiny_model_dir):
 
     config = load_config(model={"source": tiny_model_dir}, cache={"num_blocks": 64},
                          engine={"max_num_seqs": 2, "max_num_batched_tokens": 256})
-    llm = AsyncLLM.from_config(config)
+    llm = AsyncLLM.start(config=config)
     yield llm
     llm.shutdown()
 

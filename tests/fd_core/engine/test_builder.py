@@ -7,7 +7,13 @@ import logging
 import pytest
 
 from fd_core.config import load_config
-from fd_core.engine.builder import ACTIVATION_RESERVE_BYTES, build_engine, choose_kernels, plan_kv_pool
+from fd_core.engine.builder import (
+    ACTIVATION_RESERVE_BYTES,
+    HOST_DEFAULT_KV_CAP_BYTES,
+    build_engine,
+    choose_kernels,
+    plan_kv_pool,
+)
 from fd_core.errors import ConfigError
 from fd_core.model.arch import LlamaArchConfig
 from fd_core.runner.kv_cache import kv_cache_bytes_per_block
@@ -81,10 +87,32 @@ def test_forced_portable_kernels_on_an_avx512_cpu(monkeypatch, caplog):
     assert "capabilities: paged_attention;" in caplog.records[0].getMessage()
 
 
-def test_a_dtype_the_platform_cannot_run_names_the_key(tmp_path):
+def test_config_problems_stop_the_build_before_any_heavy_work_all_at_once(tmp_path):
     config = load_config(model={"source": str(tmp_path / "unused"), "dtype": "bfloat16"})
-    with pytest.raises(ConfigError, match=r"^model\.dtype: 'bfloat16' is not supported by platform 'cpu'"):
-        build_engine(config)
+    stages = []
+    with pytest.raises(ConfigError) as info:
+        build_engine(config, progress=stages.append)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("model.source: ") and "not found" in lines[0]
+    assert lines[1].startswith("model.dtype: 'bfloat16' is not supported by platform 'cpu'")
+    assert stages == []  # the model was never loaded
+
+
+def test_an_unset_memory_utilization_caps_a_host_memory_pool():
+    big = LlamaArchConfig("LlamaForCausalLM", vocab_size=512, hidden_size=576, intermediate_size=128,
+                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                          max_position_embeddings=2048)
+    platform = CpuPlatform()
+    default = plan_kv_pool(load_config(), big, platform, max_model_len=2048, weights_bytes=0)
+    assert default.num_blocks * default.bytes_per_block <= HOST_DEFAULT_KV_CAP_BYTES
+    assert default.num_blocks == HOST_DEFAULT_KV_CAP_BYTES // default.bytes_per_block
+    assert "cache.num_blocks or cache.memory_utilization" in default.source
+    explicit = plan_kv_pool(load_config(cache={"memory_utilization": 0.3}), big, platform, max_model_len=2048,
+                            weights_bytes=0)
+    budget = platform.kv_cache_memory_bytes(utilization=0.3, weights_bytes=0,
+                                            activation_reserve_bytes=ACTIVATION_RESERVE_BYTES)
+    assert explicit.num_blocks == min(budget // explicit.bytes_per_block, 32 * 2048 // 16)
+    assert explicit.num_blocks > default.num_blocks or budget <= HOST_DEFAULT_KV_CAP_BYTES
 
 
 def test_the_engine_warms_up_before_it_is_returned(make_llm, caplog):
@@ -99,8 +127,14 @@ def test_the_engine_warms_up_before_it_is_returned(make_llm, caplog):
     assert stats.num_free_blocks == stats.num_blocks
 
 
-def test_progress_names_each_heavy_stage_before_it_runs(tiny_model_dir):
+def test_progress_names_each_heavy_stage_before_it_runs(tiny_model_dir, caplog):
     stages = []
-    build_engine(load_config(model={"source": tiny_model_dir}, cache={"num_blocks": 64}), progress=stages.append)
+    with caplog.at_level(logging.INFO, logger="fd_core.engine.builder"):
+        engine = build_engine(load_config(model={"source": tiny_model_dir}, cache={"num_blocks": 64}),
+                              progress=stages.append)
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"loading the model {tiny_model_dir!r}" in messages
+    mib = 64 * kv_cache_bytes_per_block(engine.runner.arch, 16) >> 20
+    assert f"KV pool: 64 blocks of 16 tokens, {mib} MiB (cache.num_blocks)" in messages
     assert stages[0] == f"loading the model {tiny_model_dir!r}"
     assert stages[-1].startswith("warm-up forward pass (kernels: rms_norm=")

@@ -229,3 +229,25 @@ def test_unwritable_cache_names_the_folder(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setenv("FD_CACHE_DIR", str(blocker))
     with pytest.raises(ModelLoadError, match=r"cannot create the model cache .*FD_CACHE_DIR"):
         fetch_alias(FAKE)
+
+
+def test_download_progress_is_logged_in_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A real child process writes under TMPDIR (as pip does) while the parent reports the bytes."""
+    import logging
+    import sys
+
+    script = ("import os, time, tempfile\n"
+              "with open(os.path.join(tempfile.gettempdir(), 'part'), 'wb') as f:\n"
+              "    for _ in range(4):\n"
+              "        f.write(b'x' * 500_000); f.flush(); time.sleep(0.3)\n"
+              "print('done')\n")
+    with caplog.at_level(logging.INFO, logger=default_model.__name__):
+        code, output = default_model.run_with_progress([sys.executable, "-c", script], tmp_path / "work",
+                                                       label="fake-model==1.0", total_bytes=2_000_000,
+                                                       interval_s=0.1)
+    assert (code, output.strip()) == (0, "done")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(line.startswith("downloading fake-model==1.0: ") for line in lines)
+    assert any(not line.startswith("downloading fake-model==1.0: 0.0 ") for line in lines)  # bytes grew
+    assert default_model.progress_line("x", 12_300_000, 0) == "downloading x: 12.3 MB"
+    assert default_model.progress_line("x", 49_000_000, 98_000_000) == "downloading x: 49.0 of ~98.0 MB (50%)"

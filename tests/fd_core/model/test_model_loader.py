@@ -38,7 +38,7 @@ def test_missing_path_is_named(tmp_path: Path) -> None:
 
 
 def test_folder_without_config(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match=r"config\.json not found"):
+    with pytest.raises(ModelLoadError, match=r"is a folder without config\.json"):
         load_model(str(tmp_path))
 
 

@@ -56,5 +56,6 @@ def test_concurrency_limit_is_429_until_a_slot_frees(server):
         response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert response.status_code == 429, response.text
         assert "max_concurrency" in response.json()["error"]["message"]
+        assert response.headers["Retry-After"] == "1"
         assert [first.result(timeout=60), second.result(timeout=60)] == [300, 300]
     eventually_serves(server.url)

@@ -34,6 +34,6 @@ def test_fd_bench_serve_measures_every_request(tiny_server, tmp_path, capsys):
 
 
 def test_fd_bench_lists_its_subcommands(capsys):
-    assert fd_bench([]) == 0
-    assert "serve" in capsys.readouterr().out
+    assert fd_bench([]) == 2          # no subcommand: usage on stderr, like any other mistake
+    assert "serve" in capsys.readouterr().err
     assert fd_bench(["nope"]) == 2

@@ -11,9 +11,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from tests.fd_core.server.conftest import TINY_ARGS, ServerProcess, start_server
+from tests.fd_core.server.test_requests import metric, metrics
 
 
 def read_stream(url: str, body: dict, started: threading.Event) -> list[str]:
@@ -51,6 +53,39 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tiny_model, tmp_path
         assert not any("error" in json.loads(e) for e in events[:-1])
 
 
+def test_requests_in_flight_when_the_shutdown_timeout_runs_out_get_the_documented_503(tiny_model, tmp_path):
+    # one request runs at a time: the second waits behind the first; neither is done at SIGTERM,
+    # and with shutdown_timeout_s 0 the drain gives up on both at once
+    server = start_server(tmp_path, "--model.source", str(tiny_model), *TINY_ARGS, "--engine.max_num_seqs", "1",
+                          "--server.shutdown_timeout_s", "0")
+    body = {"prompt": list(range(100, 120)), "max_tokens": 480, "ignore_eos": True}
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        started = threading.Event()
+        with ThreadPoolExecutor(2) as pool:
+            stream = pool.submit(read_stream, server.url, body, started)
+            assert started.wait(30)
+            plain = pool.submit(client.completions.create, model=str(tiny_model), prompt=body["prompt"],
+                                max_tokens=480, extra_body={"ignore_eos": True})
+            while metric(metrics(server.url), "fd_http_requests_in_flight") < 2:
+                assert not plain.done(), plain.result()
+                time.sleep(0.02)
+            server.proc.send_signal(signal.SIGTERM)
+            events = stream.result(timeout=60)
+            with pytest.raises(openai.InternalServerError) as info:
+                plain.result(timeout=60)
+        assert server.proc.wait(timeout=60) == 0, server.log()
+    finally:
+        server.stop()
+    assert info.value.status_code == 503 and info.value.code == "server_shutting_down"
+    assert "server.shutdown_timeout_s (0 s) ran out" in info.value.message
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_shutting_down" and "server.shutdown_timeout_s" in error["message"]
+    assert len(events) > 2  # tokens came before the error
+    assert "timeout graceful shutdown exceeded" not in server.log()  # nothing was left for uvicorn to cut
+
+
 def test_engine_killed_by_sigkill_is_named_everywhere_then_fd_serve_exits_3(tiny_model, tmp_path):
     server = start_server(tmp_path, "--model.source", str(tiny_model), *TINY_ARGS,
                           "--server.exit_after_engine_death_s", "4")
@@ -74,6 +109,10 @@ def test_engine_killed_by_sigkill_is_named_everywhere_then_fd_serve_exits_3(tiny
         assert cause in health.json()["reason"]
         again = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert again.status_code == 503 and cause in again.json()["error"]["message"]
+        # one code for a dead engine: in flight (stream and not) and for requests after the death
+        codes = {json.loads(events[-2])["error"]["code"], response.json()["error"]["code"],
+                 again.json()["error"]["code"]}
+        assert codes == {"engine_dead"}
         # the documented recovery: exit non-zero so that a supervisor restarts the server
         assert server.proc.wait(timeout=60) == 3, server.log()
     finally:
@@ -98,11 +137,15 @@ def test_health_says_ok_only_after_the_warm_up_ran(tiny_model, tmp_path):
 
 
 def test_a_model_that_cannot_load_stops_start_up_with_the_reason(tmp_path):
-    server = ServerProcess(["--model.source", str(tmp_path / "no-such-model")], tmp_path / "server.log")
+    model = tmp_path / "broken-model"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")  # passes the config check, fails to load
+    server = ServerProcess(["--model.source", str(model)], tmp_path / "server.log")
     assert server.proc.wait(timeout=120) == 1
     server.stop()
     log = server.log()
-    assert "fd-serve: error:" in log and "no-such-model" in log and "not found" in log
+    assert "fd-serve: error:" in log and "broken-model/config.json" in log
+    assert "Traceback" not in log and "never retrieved" not in log
 
 
 @pytest.mark.usefixtures("demo_plugins")

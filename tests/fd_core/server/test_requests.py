@@ -63,6 +63,19 @@ def assert_still_serving(url: str) -> None:
     ("/v1/completions", '{"prompt": "hi", "max_tokens": ', 400, ["not valid JSON"], None),
     ("/v1/completions", "", 400, ["not valid JSON"], None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, ["max_tokens", "integer"], "max_tokens"),
+    # strict types: nothing is coerced
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "8"}, 400, ["max_tokens", "integer"], "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 8.0}, 400, ["max_tokens", "integer"], "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": False}, 400, ["frequency_penalty", "number"],
+     "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, 400, ["temperature", "number"], "temperature"),
+    ("/v1/completions", {"prompt": [[False]]}, 400, ["prompt", "wrong type"], "prompt"),
+    ("/v1/completions", {"prompt": [5, True]}, 400, ["prompt", "wrong type"], "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stream": 1}, 400, ["stream", "boolean"], "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": "2"}, 400, ["n", "integer"],
+     "n"),
+    # a text that cannot fit max_model_len whatever its tokens is refused before it is tokenised
+    ("/v1/completions", {"prompt": "hello " * 100_000}, 400, ["bytes of text", "max_model_len (512)"], "prompt"),
     ("/v1/completions", {"prompt": 42}, 400, ["prompt"], "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, ["max_tokens", ">= 1"], "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, ["temperature"], "temperature"),
@@ -95,6 +108,11 @@ def test_prompt_over_max_model_len_names_the_limits(tiny_server):
     response = post(tiny_server.url, "/v1/completions", {"prompt": list(range(100, 500)), "max_tokens": 200})
     assert_error(response, 400, "400 tokens", "max_tokens (200)", "512", param="max_tokens")
     assert_still_serving(tiny_server.url)
+
+
+def test_integers_are_accepted_where_numbers_are_expected(tiny_server):
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 1, "top_p": 1, "frequency_penalty": 0}
+    assert post(tiny_server.url, "/v1/completions", body).status_code == 200
 
 
 def test_unknown_openai_bookkeeping_fields_are_accepted(tiny_server):

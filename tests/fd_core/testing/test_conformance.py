@@ -9,7 +9,7 @@ import pytest
 
 from fd_core.outputs import StepPlan
 from fd_core.registry import Registry
-from fd_core.request import Request
+from fd_core.request import FinishReason, Request
 from fd_core.testing.conformance import ConformanceError, check_resource_manager
 from fd_plugins.resource_managers.v1.manager import V1ResourceManager
 
@@ -23,9 +23,11 @@ def _v1_with(limits_for_manager: Any) -> Any:
 class _LeakOnAbort(V1ResourceManager):
     """Forgets the blocks of aborted requests."""
 
-    def abort(self, request_id: str) -> Request | None:
-        self.tables.pop(request_id, None)
-        return super().abort(request_id)
+    def finish_requests(self, requests: list[Request], reason: FinishReason) -> None:
+        if reason is FinishReason.ABORT:
+            for request in requests:
+                self.tables.pop(request.request_id, None)
+        super().finish_requests(requests, reason)
 
 
 class _ForgetsToAdvance(V1ResourceManager):

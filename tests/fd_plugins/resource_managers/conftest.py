@@ -10,7 +10,7 @@ import pytest
 from fd_core.contracts.resource_manager import ResourceManager
 from fd_core.outputs import StepPlan
 from fd_core.registry import Registry
-from fd_core.request import FinishReason, Request, SamplingParams
+from fd_core.request import FinishReason, Request, RequestStatus, SamplingParams
 
 
 @pytest.fixture
@@ -39,5 +39,7 @@ def step() -> Callable[[ResourceManager], StepPlan]:
                 if len(row.request.output_token_ids) >= row.request.sampling_params.max_tokens:
                     done.append(row.request)
         manager.finish_requests(done, FinishReason.LENGTH)
+        for request in done:   # what the engine core does after the manager freed them
+            request.status = RequestStatus.FINISHED
         return plan
     return run

@@ -6,7 +6,7 @@ from typing import Any
 
 from fd_core.contracts.resource_manager import KVLimits
 from fd_core.registry import Registry
-from fd_core.request import RequestStatus
+from fd_core.request import FinishReason, RequestStatus
 from fd_core.testing.conformance import check_resource_manager
 from fd_plugins.resource_managers.v0 import V0ResourceManager, V0Settings
 
@@ -67,7 +67,8 @@ def test_abort_releases_blocks_and_promises(hooks, make_request):
     rm.add_request(a)
     rm.add_request(b)
     assert [r.request for r in rm.schedule().scheduled] == [a]   # b needs 3 blocks, 1 is unpromised
-    assert rm.abort("a") is a and rm.num_free_blocks() == 4
+    rm.finish_requests([a], FinishReason.ABORT)
+    assert rm.num_free_blocks() == 4
     assert [r.request for r in rm.schedule().scheduled] == [b]
 
 

@@ -11,7 +11,7 @@ import fd_core
 from fd_core.errors import QueueFullError
 from fd_core.registry import Registry
 from fd_core.request import FinishReason, Request
-from fd_plugins.schedulers.local import LocalScheduler, LocalSchedulerSettings
+from fd_plugins.schedulers.local import LocalScheduler, LocalSchedulerSettings, fair_fifo
 
 
 def _scheduler(general=(), **settings) -> LocalScheduler:
@@ -88,3 +88,24 @@ def test_get_requests_blocks_until_a_request_arrives_or_wake():
     s.wake()
     waiter.join(5)
     assert not waiter.is_alive()
+
+
+def test_siblings_of_one_call_take_turns_with_other_calls():
+    s = LocalScheduler(LocalSchedulerSettings(), hooks=Registry.from_plugins({}).hooks, max_queue_size=100)
+    for i in range(6):                                     # one call with n=6
+        s.put_request(Request(f"big-{i}", [1, 2], group_id="big"))
+    s.put_request(Request("small", [1, 2], group_id="small"))
+    s.put_request(Request("alone", [1, 2]))                # no group: a group of one
+    first = [r.request_id for r in s.get_requests(3, timeout=0)]
+    assert first == ["big-0", "small", "alone"]
+    assert [r.request_id for r in s.get_requests(10, timeout=0)] == [f"big-{i}" for i in range(1, 6)]
+
+
+def test_fair_fifo_keeps_arrival_order_within_a_group_and_between_groups():
+    a = [Request(f"a{i}", [1], group_id="a") for i in range(3)]
+    b = [Request(f"b{i}", [1], group_id="b") for i in range(2)]
+    c = Request("c", [1])
+    order = fair_fifo([a[0], a[1], b[0], a[2], c, b[1]])
+    assert [r.request_id for r in order] == ["a0", "b0", "c", "a1", "b1", "a2"]
+    singles = [Request(str(i), [1]) for i in range(4)]
+    assert fair_fifo(singles) == singles

@@ -1,4 +1,4 @@
-"""Fixtures for the token processor tests: a real byte-level BPE tokenizer and a recording manager.
+"""Fixtures for the token processor tests: a real byte-level BPE tokenizer and step helpers.
 
 The tokenizer is the tiny model's (``fd_core.testing.tiny_model``): a byte-level BPE with a
 512-entry vocabulary, small enough that emoji and most CJK characters are split over several
@@ -12,47 +12,13 @@ from typing import Any
 
 import pytest
 
-from fd_core.contracts.resource_manager import KVLimits, KVStats, ResourceManager
 from fd_core.model.tokenizer import Tokenizer
 from fd_core.outputs import RequestOutput, SampledToken, ScheduledRequest, StepPlan, StepResult
-from fd_core.request import FinishReason, Request, SamplingParams
+from fd_core.request import Request, SamplingParams
 from fd_core.testing.tiny_model import make_tiny_llama
 from fd_plugins.token_processors.default import DefaultTokenProcessor, DefaultTokenProcessorSettings
 
 EOS = 2   # <|im_end|> in the tiny tokenizer
-
-
-class RecordingResourceManager(ResourceManager):
-    """A resource manager double that only records ``finish_requests`` calls."""
-
-    name = "recording"
-    fd_hookspec_version = 1
-
-    def __init__(self) -> None:
-        super().__init__(None, limits=KVLimits(num_blocks=1, block_size=16, max_num_seqs=512,
-                                               max_num_batched_tokens=8192, max_model_len=4096), hooks=None)
-        self.calls: list[tuple[list[str], FinishReason]] = []
-
-    def finish_requests(self, requests: list[Request], reason: FinishReason) -> None:
-        self.calls.append(([r.request_id for r in requests], reason))
-
-    def add_request(self, request: Request) -> None:
-        raise NotImplementedError
-
-    def schedule(self) -> StepPlan:
-        raise NotImplementedError
-
-    def abort(self, request_id: str) -> Request | None:
-        raise NotImplementedError
-
-    def num_free_blocks(self) -> int:
-        return 1
-
-    def has_unfinished(self) -> bool:
-        return False
-
-    def stats(self) -> KVStats:
-        return KVStats(num_blocks=1, num_free_blocks=1, num_running=0, num_waiting=0)
 
 
 class Harness:
@@ -62,9 +28,9 @@ class Harness:
         self.tokenizer = tokenizer
 
     def processor(self, *, max_model_len: int = 4096, **settings: Any) -> DefaultTokenProcessor:
-        """A processor with a fresh :class:`RecordingResourceManager` (``.resource_manager``)."""
+        """A fresh processor over the tiny tokenizer."""
         return DefaultTokenProcessor(DefaultTokenProcessorSettings(**settings), tokenizer=self.tokenizer,
-                                     resource_manager=RecordingResourceManager(), max_model_len=max_model_len)
+                                     max_model_len=max_model_len)
 
     @staticmethod
     def request(request_id: str = "r0", *, prompt: Sequence[int] = (5, 6, 7), **params: Any) -> Request:

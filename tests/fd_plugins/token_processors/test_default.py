@@ -21,7 +21,7 @@ STOP_SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=
 def test_registered_under_its_entry_point():
     (ep,) = [ep for ep in entry_points(group="fd.token_processors") if ep.name == "default"]
     assert ep.load() is DefaultTokenProcessor
-    assert DefaultTokenProcessor.name == "default" and DefaultTokenProcessor.fd_hookspec_version == 1
+    assert DefaultTokenProcessor.name == "default" and DefaultTokenProcessor.fd_hookspec_version == 2
 
 
 def test_settings_reject_unknown_keys():
@@ -38,7 +38,9 @@ def test_eos_stops_and_adds_no_text(harness):
     assert last.new_token_ids == [EOS] and last.new_text == ""
     assert harness.text(outputs) == "hello"
     assert request.output_token_ids[-1] == EOS
-    assert request.status is RequestStatus.FINISHED and request.finish_reason is FinishReason.STOP
+    # the processor only reports the finish; the engine core ends the request
+    assert request.status is RequestStatus.WAITING and request.finish_reason is None
+    assert request.finished_time is None
     assert [o.finished for o in outputs].count(True) == 1
 
 
@@ -151,33 +153,30 @@ def test_output_counts(harness):
     assert [(o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens) for o in outputs] == [(4, 1, 2), (4, 2, 2)]
 
 
-def test_finished_requests_reported_once_per_step_per_reason(harness):
+def test_finishes_are_reported_in_the_outputs_of_their_step(harness):
     tp = harness.processor()
     a, b, c, d = (harness.request(i, max_tokens=2 if i == "c" else 10) for i in "abcd")
     for r in (a, b, c, d):
         tp.add_request(r)
     harness.step(tp, {a: 7, b: 7, c: 7, d: 7})
     outputs = harness.step(tp, {a: EOS, b: EOS, c: 7, d: 7})
-    assert {o.request_id for o in outputs if o.finished} == {"a", "b", "c"}
-    assert sorted(tp.resource_manager.calls, key=lambda call: call[1].value) == [
-        (["c"], FinishReason.LENGTH), (["a", "b"], FinishReason.STOP)]
-    # Finished rows that still appear in a plan are skipped, not reported again.
-    assert [o.request_id for o in harness.step(tp, {a: 7, d: EOS})] == ["d"]
-    assert tp.resource_manager.calls[-1] == (["d"], FinishReason.STOP)
-    assert len(tp.resource_manager.calls) == 3
+    assert {o.request_id: o.finish_reason for o in outputs if o.finished} == {
+        "a": FinishReason.STOP, "b": FinishReason.STOP, "c": FinishReason.LENGTH}
+    assert all(r.status is RequestStatus.WAITING for r in (a, b, c, d))   # nothing ended here
+    assert [o.finish_reason for o in harness.step(tp, {d: EOS})] == [FinishReason.STOP]
 
 
-def test_abort_through_finish_does_not_report_and_drops_held_text(harness):
+def test_forget_drops_held_back_text_and_state(harness):
     tp = harness.processor()
     request = harness.request(stop=["END"])
     outputs = harness.drive(tp, request, harness.encode("so EN"))
-    output = tp.finish(request, FinishReason.ABORT)
-    assert output.finished and output.finish_reason is FinishReason.ABORT and output.new_text == ""
-    assert harness.text(outputs) == "so "
-    assert request.status is RequestStatus.FINISHED and request.finished_time is not None
-    assert tp.resource_manager.calls == []
-    error = tp.finish(harness.request("e"), FinishReason.ERROR, "boom")
-    assert (error.finish_reason, error.error) == (FinishReason.ERROR, "boom")
+    assert harness.text(outputs) == "so "   # "EN" is held back: it may start "END"
+    tp.forget(request.request_id)
+    tp.forget(request.request_id)   # forgetting twice is harmless
+    assert request.request_id not in tp._states
+    # a new request under the same id starts from scratch: no "EN" left over from the first
+    again = harness.request(stop=["END"])
+    assert harness.text(harness.drive(tp, again, [*harness.encode("ok"), EOS])) == "ok"
 
 
 def test_rows_without_a_sample_produce_nothing(harness):
@@ -207,21 +206,18 @@ def test_preempted_request_continues_its_text_after_recompute(harness):
     assert harness.text(outputs) == "one 😀 two " and outputs[-1].finish_reason is FinishReason.STOP
 
 
-def test_metrics_filled_and_ordered(harness):
+def test_first_token_metrics(harness):
     tp = harness.processor()
     request = harness.request(max_tokens=3)
     request.arrival_time -= 1.0
     request.scheduled_time = request.arrival_time + 0.25
     outputs = harness.drive(tp, request, [7, 8, 9])
     first, middle, last = outputs
-    assert first.metrics.ttft is not None and first.metrics.e2e is None
+    m = first.metrics
+    assert m.arrival_time == request.arrival_time and m.queue_time == pytest.approx(0.25)
+    assert 0 <= m.queue_time <= m.ttft and m.e2e is None
     assert middle.metrics is None
-    m = last.metrics
-    assert m.arrival_time == request.arrival_time
-    assert m.queue_time == pytest.approx(0.25)
-    assert 0 <= m.queue_time <= m.ttft <= m.e2e
-    assert m.tpot == pytest.approx((request.finished_time - request.first_token_time) / 2)
-    assert request.arrival_time <= request.first_token_time <= request.finished_time
+    assert last.finished and last.metrics is None   # the engine core fills the final output's metrics
 
 
 @STOP_SETTINGS

@@ -144,10 +144,29 @@ class _BadVictim:
         return object()
 
 
-def test_a_victim_that_is_not_running_is_rejected(make_request, step):
+class _RaisingChunk:
+    @hookimpl
+    def fd_prefill_chunk_size(self, request, remaining_prompt, budget):
+        raise RuntimeError("chunk hook bug")
+
+
+def test_a_victim_that_is_not_running_is_reported_once_and_the_default_is_used(make_request, step, caplog):
     rm = _two_running(Registry.from_plugins({}, general=[_BadVictim()]).hooks, make_request, step)
-    with pytest.raises(ValueError, match="not running"):
-        step(rm)
+    plan = step(rm)
+    assert plan.preempted_ids == ["b"]   # the default: the last admitted
+    step(rm)
+    reports = [r.getMessage() for r in caplog.records if "fd_select_preemption_victim" in r.getMessage()]
+    assert len(reports) == 1 and "is not one of the running requests" in reports[0]
+
+
+def test_a_raising_chunk_hook_falls_back_to_the_whole_budget(make_request, caplog):
+    rm = _v1(Registry.from_plugins({}, general=[_RaisingChunk()]).hooks)
+    request = make_request("a", 20)
+    rm.add_request(request)
+    (row,) = rm.schedule().scheduled
+    assert row.num_new_tokens == 20
+    assert any("hook fd_prefill_chunk_size raised RuntimeError: chunk hook bug" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_prefix_hits_share_blocks_and_count_tokens(hooks, make_request, step):
@@ -182,7 +201,7 @@ def test_blocks_of_a_failed_step_are_not_cached(hooks, make_request):
     rm.add_request(failed)
     rm.schedule()
     rm.finish_requests([failed], FinishReason.ERROR)
-    assert failed.status is RequestStatus.FINISHED and failed.finish_reason is FinishReason.ERROR
+    assert not rm.has_unfinished() and failed.status is not RequestStatus.FINISHED  # the core marks it
     rm.add_request(make_request("b", 9))
     assert rm.schedule().scheduled[0].start == 0
 
@@ -194,10 +213,11 @@ def test_abort_frees_running_and_waiting_requests_at_once(hooks, make_request):
     rm.add_request(waiting)
     rm.schedule()
     assert rm.num_free_blocks() == 13
-    assert rm.abort("r") is running and rm.num_free_blocks() == 16
-    assert running.finish_reason is FinishReason.ABORT and running.status is RequestStatus.FINISHED
-    assert rm.abort("w") is waiting and rm.abort("w") is None and rm.abort("nope") is None
-    assert not rm.has_unfinished() and rm.stats().num_waiting == 0
+    rm.finish_requests([running], FinishReason.ABORT)
+    assert rm.num_free_blocks() == 16 and rm.stats().num_running == 0
+    rm.finish_requests([waiting], FinishReason.ABORT)
+    rm.finish_requests([waiting, make_request("nope", 3)], FinishReason.ABORT)   # unknown or ended: ignored
+    assert not rm.has_unfinished() and rm.stats().num_waiting == 0 and rm.num_free_blocks() == 16
 
 
 def test_max_num_seqs_caps_running_requests(hooks, make_request):

@@ -20,7 +20,7 @@ class DemoPlatform(Platform):
     """Runs on the CPU under another name; proves third-party platforms are selectable."""
 
     name: ClassVar[str] = "demo"
-    fd_hookspec_version: ClassVar[int] = 1
+    fd_hookspec_version: ClassVar[int] = 2
     settings_model: ClassVar[type[BaseModel]] = DemoPlatformSettings
     priority: ClassVar[int] = -10
 

@@ -1,1 +1,1 @@
-"""Broken and clashing plugins: an import error, a stale hookspec version, name clashes."""
+"""Broken and clashing plugins: an import error, a stale hookspec version, name clashes, a misspelt hook."""
