@@ -8,6 +8,7 @@ never a traceback; unknown flags get the closest known flag as a hint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import logging
@@ -213,9 +214,10 @@ def _check(config: FdConfig) -> int:
 
 def _plugins_list(config: FdConfig) -> int:
     from fd_core.registry import Registry
-    from fd_core.selection import quiet_paddle_import
+    from fd_core.paddle_import import import_paddle
 
-    quiet_paddle_import()  # the platforms' detect() imports Paddle
+    with contextlib.suppress(ImportError):  # without Paddle, the platforms' detect() says so
+        import_paddle()  # the platforms' detect() imports it: do it once, without its noise
     logging.getLogger("fd_core.registry").setLevel(logging.ERROR)  # the table shows failures
     registry = Registry.discover(disabled=config.plugins.disabled)
     failures = registry.load_all()

@@ -11,8 +11,8 @@ the platforms' ``detect()`` probes and the chosen platform's ``supported_dtypes(
 
 from __future__ import annotations
 
+import contextlib
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from fd_core.config import config_errors, config_problems_from
 from fd_core.errors import ConfigError, ModelLoadError, PluginError, PluginNotFoundError
+from fd_core.paddle_import import import_paddle
 from fd_core.registry import SEAM_GROUPS, Registry
 
 if TYPE_CHECKING:
@@ -66,17 +67,6 @@ class Selection:
         return {seam: selected.name for seam, selected in self.plugins.items()}
 
 
-def quiet_paddle_import() -> None:
-    """Hide the warning importing Paddle prints on every machine without ccache.
-
-    "No ccache found" (``paddle/utils/cpp_extension/extension_utils.py``) concerns compiling
-    C++ extensions, which fd-engine never does; it appeared on every ``--check`` (issue 9).
-    Only that message from that module is filtered; calling this again changes nothing.
-    """
-    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning,
-                            module=r"paddle\.utils\.cpp_extension\.extension_utils")
-
-
 def resolve(config: FdConfig, registry: Registry | None = None, *, apply_worker_env: bool = False) -> Selection:
     """Load and validate every seam plugin the config selects, then check the config against them.
 
@@ -88,7 +78,8 @@ def resolve(config: FdConfig, registry: Registry | None = None, *, apply_worker_
     paths such as ``scheduler.options.ttl_s``, and the ``FD_*`` variable a bad value came
     from), or PluginError naming the plugin in strict mode, where every plugin must load.
     """
-    quiet_paddle_import()  # the platform probes import Paddle first
+    with contextlib.suppress(ImportError):  # without Paddle, the platforms' detect() says so
+        import_paddle()  # the platform probes import it: do it once, without its noise
     if registry is None:
         registry = Registry.discover(strict=config.plugins.strict, disabled=config.plugins.disabled)
     registry.check_strict()

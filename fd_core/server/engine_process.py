@@ -50,10 +50,9 @@ def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
-    from fd_core.selection import quiet_paddle_import
+    from fd_core.paddle_import import import_paddle
 
-    quiet_paddle_import()
-    import paddle  # noqa: F401  (before faulthandler, whose handler then chains to Paddle's)
+    import_paddle()  # before faulthandler, whose handler then chains to Paddle's
 
     faulthandler.enable()
     parent_pid = os.getppid()
