@@ -113,8 +113,9 @@ def choose_kernels(platform: Platform, platform_reason: str) -> KernelSet:
     from fd_core.model.kernels import select_kernels
 
     kernels = select_kernels(platform.capabilities)
-    log.info("platform %s (%s); capabilities: %s; kernels: %s", platform.name, platform_reason,
-             " ".join(sorted(platform.capabilities)) or "none", kernels.describe())
+    env = " ".join(f"{key}={value}" for key, value in sorted(platform.worker_env().items())) or "none"
+    log.info("platform %s (%s); capabilities: %s; kernels: %s; worker env: %s", platform.name, platform_reason,
+             " ".join(sorted(platform.capabilities)) or "none", kernels.describe(), env)
     return kernels
 
 

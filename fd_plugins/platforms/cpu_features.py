@@ -24,6 +24,7 @@ class CpuFeatures:
     model_name: str              # e.g. "AMD EPYC 7B13" ("unknown CPU" when not reported)
     present: frozenset[str]      # the subset of ISA_FEATURES this CPU (and OS) supports
     source: str                  # where ``present`` came from: "/proc/cpuinfo" or "paddle"
+    vendor: str = ""             # cpuid vendor string, e.g. "AuthenticAMD", "GenuineIntel"; "" if unknown
 
     def missing(self) -> tuple[str, ...]:
         """ISA_FEATURES absent here, in display order."""
@@ -36,9 +37,9 @@ class CpuFeatures:
         return f"{self.model_name}: {have}" + (f"; lacks {' '.join(missing)}" if missing else "")
 
 
-def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
-    """The first ``model name`` and ``flags`` lines of a ``/proc/cpuinfo`` text (x86 layout)."""
-    model, flags = "", frozenset[str]()
+def parse_cpuinfo(text: str) -> tuple[str, frozenset[str], str]:
+    """The first ``model name``, ``flags`` and ``vendor_id`` of a ``/proc/cpuinfo`` text (x86 layout)."""
+    model, flags, vendor = "", frozenset[str](), ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -46,7 +47,9 @@ def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
             model = value.strip()
         elif key == "flags" and not flags:
             flags = frozenset(value.split())
-    return model, flags
+        elif key == "vendor_id" and not vendor:
+            vendor = value.strip()
+    return model, flags, vendor
 
 
 def read_cpuinfo(path: str = "/proc/cpuinfo") -> str:
@@ -67,12 +70,12 @@ def paddle_supports_avx512f() -> bool:
 
 def probe_cpu_features() -> CpuFeatures:
     """Model name and ISA features of the CPU this process runs on; never raises."""
-    model, flags = parse_cpuinfo(read_cpuinfo())
+    model, flags, vendor = parse_cpuinfo(read_cpuinfo())
     model = model or platform.processor() or "unknown CPU"
     if flags:
-        return CpuFeatures(model, frozenset(ISA_FEATURES) & flags, "/proc/cpuinfo")
+        return CpuFeatures(model, frozenset(ISA_FEATURES) & flags, "/proc/cpuinfo", vendor)
     try:
         avx512f = paddle_supports_avx512f()
     except Exception:  # no paddle, or a build without the probe: assume nothing optional
         avx512f = False
-    return CpuFeatures(model, frozenset({"avx512f"} if avx512f else ()), "paddle")
+    return CpuFeatures(model, frozenset({"avx512f"} if avx512f else ()), "paddle", vendor)

@@ -61,8 +61,9 @@ def test_device_and_dtypes() -> None:
     assert platform.supported_dtypes() == ("float32",)
 
 
-AVX2_ONLY = CpuFeatures("AMD EPYC 7B13", frozenset({"avx2", "fma"}), "/proc/cpuinfo")
-AVX512 = CpuFeatures("Intel Xeon 8481C", frozenset(ISA_FEATURES), "/proc/cpuinfo")
+AVX2_ONLY = CpuFeatures("AMD EPYC 7B13", frozenset({"avx2", "fma"}), "/proc/cpuinfo", "AuthenticAMD")
+AVX512 = CpuFeatures("Intel Xeon 8481C", frozenset(ISA_FEATURES), "/proc/cpuinfo", "GenuineIntel")
+OLD_AMD = CpuFeatures("AMD Opteron", frozenset(), "/proc/cpuinfo", "AuthenticAMD")
 
 
 @pytest.mark.parametrize(("features", "fused"), [(AVX2_ONLY, False), (AVX512, True)])
@@ -91,3 +92,13 @@ def test_detect_reason_lists_the_hosts_features() -> None:
     reason = CpuPlatform.detect().reason
     for feature in ISA_FEATURES:
         assert feature in reason
+
+
+@pytest.mark.parametrize(("features", "kernels", "avx2_path"), [
+    (AVX2_ONLY, "auto", True), (AVX2_ONLY, "portable", False), (AVX512, "auto", False), (OLD_AMD, "auto", False)])
+def test_mkl_avx2_path_only_on_amd_cpus_with_avx2(monkeypatch: pytest.MonkeyPatch, features: CpuFeatures,
+                                                   kernels: str, avx2_path: bool) -> None:
+    monkeypatch.setattr(cpu_features, "probe_cpu_features", lambda: features)
+    env = CpuPlatform(CpuSettings(kernels=kernels)).worker_env()
+    assert (env.get("MKL_DEBUG_CPU_TYPE") == "5") is avx2_path
+    assert avx2_path or "MKL_DEBUG_CPU_TYPE" not in env

@@ -24,14 +24,14 @@ flags\t\t: fpu sse sse2 fma avx avx2 avx512f avx512dq avx512bw avx512vl avx512_v
 
 
 def test_amd_epyc_has_avx2_and_fma_only() -> None:
-    model, flags = parse_cpuinfo(AMD_EPYC)
-    assert model == "AMD EPYC 7B13"
+    model, flags, vendor = parse_cpuinfo(AMD_EPYC)
+    assert (model, vendor) == ("AMD EPYC 7B13", "AuthenticAMD")
     assert frozenset(ISA_FEATURES) & flags == {"avx2", "fma"}
 
 
 def test_intel_xeon_has_every_probed_feature() -> None:
-    model, flags = parse_cpuinfo(INTEL_XEON)
-    assert model.startswith("Intel(R) Xeon(R) Platinum 8481C")
+    model, flags, vendor = parse_cpuinfo(INTEL_XEON)
+    assert model.startswith("Intel(R) Xeon(R) Platinum 8481C") and vendor == "GenuineIntel"
     assert frozenset(ISA_FEATURES) <= flags
 
 
