@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: Worker threads that prepare requests. Tokenising holds the GIL, so more threads would not
-#: prepare faster; two keep one large request from delaying every other.
+#: Worker threads that prepare requests. JSON parsing and templating hold the GIL (tokenising
+#: releases it), so more threads would not prepare faster; two keep one large request from
+#: delaying every other.
 PREPARE_THREADS: Final = 2
 
 #: The 503 ``code`` of each /health status other than ok.
