@@ -98,7 +98,7 @@ def test_check_resolves_the_prefix_caching_default_and_prints_no_paddle_warning(
 
 
 def test_version_and_help():
-    from fd_core.cli import help_text
+    from fd_core.cli_usage import help_text
 
     version = run_fd_serve("--version")
     assert version.returncode == 0 and version.stdout.startswith("fd-serve (fd-engine) 0.")

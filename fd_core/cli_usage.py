@@ -1,0 +1,137 @@
+"""The ``fd-serve`` command line's vocabulary: its own flags, the ``--help`` text, and hints.
+
+Config keys are flags too (``--cache.block_size 32``); they are listed from the config models
+(``fd_core.config_reference``), so help and hints never drift from the real keys. A flag that
+is neither gets the closest known one as a hint (``--port`` -> ``--server.port``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from typing import Final, NoReturn
+
+#: Exit code of every user mistake (the argparse convention).
+USAGE_EXIT: Final = 2
+LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
+USAGE: Final = """\
+usage: fd-serve [--config FILE] [--check] [--strict] [--log-level LEVEL] [--SECTION.KEY VALUE ...]
+       fd-serve plugins list [--config FILE] [--strict]
+       fd-serve --version | --help"""
+
+#: fd-serve's own flags: (flag, metavar, help). Config keys are listed from the config models.
+_OWN_FLAGS: Final = (
+    ("--config", "FILE", "TOML config file (an annotated example: docs/deploy.toml)"),
+    ("--check", "", "validate the config and the plugins it selects, print the resolved config, exit"),
+    ("--strict", "", "any plugin that fails to load (or misnames a hook) stops start-up"),
+    ("--log-level", "LEVEL", f"{', '.join(LOG_LEVELS)}; DEBUG shows plugin tracebacks (default: INFO)"),
+    ("--version", "", "print the fd-engine version and exit"),
+    ("-h, --help", "", "show this text and exit"),
+)
+
+
+class UsageError(Exception):
+    """A command line fd-serve cannot parse; the message is one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing its own usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def own_flags_parser() -> _Parser:
+    """The parser of fd-serve's own flags; config flags are left over for :func:`check_config_flags`."""
+    parser = _Parser(prog="fd-serve", add_help=False, allow_abbrev=False)
+    parser.add_argument("--config")
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--strict", action="store_true")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    parser.add_argument("--version", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
+    return parser
+
+
+def help_text() -> str:
+    """``fd-serve --help``: usage, fd-serve's flags, then every config key with its default."""
+    from fd_core.config_reference import config_keys
+
+    lines = [USAGE, "", "Serve an OpenAI-compatible HTTP API for one model (the default), validate a config",
+             "(--check), or list the installed plugins (plugins list).", "", "options:"]
+    lines += [f"  {(flag + ' ' + metavar).strip():<24}{text}" for flag, metavar, text in _OWN_FLAGS]
+    lines += ["", "config keys (CLI flag > FD_SECTION__KEY environment variable > --config file > default;",
+              "reference: docs/config.md):"]
+    for item in config_keys():
+        description = item.description.replace("`", "")
+        lines.append(f"  {item.flag} {_metavar(item.type)}")
+        lines.append(f"      {description}{' ' if description else ''}(default: {item.default})")
+    return "\n".join(lines)
+
+
+def _metavar(type_text: str) -> str:
+    """``Literal['a', 'b'] | None`` -> ``{a,b}``; ``int | None`` -> ``INT``; ``dict[...]`` -> ``JSON``."""
+    text = type_text.removesuffix(" | None")
+    if text.startswith("Literal["):
+        return "{" + ",".join(part.strip(" '") for part in text[8:-1].split(",")) + "}"
+    if text.startswith(("dict", "list")):
+        return "JSON"
+    return "SECRET" if text == "pydantic.types.SecretStr" else text.upper()
+
+
+def _known_flags() -> dict[str, str]:
+    """Every accepted flag, keyed by its spelling with ``_`` for ``-`` (after the leading dashes)."""
+    from fd_core.config_reference import config_keys
+
+    flags = [flag for entry in _OWN_FLAGS for flag in entry[0].split(", ")]
+    flags += [item.flag for item in config_keys()]
+    return {_normal(flag): flag for flag in flags}
+
+
+def _normal(flag: str) -> str:
+    return "--" + flag.lstrip("-").replace("-", "_")
+
+
+def suggest_flag(flag: str) -> str | None:
+    """The flag a user most likely meant by the unknown ``flag``, or None.
+
+    A section name points at its first key (``--model`` -> ``--model.source``); a key without
+    its section at the sections holding it (``--port`` -> ``--server.port``); anything else at
+    the closest spelling (``--chek`` -> ``--check``).
+    """
+    from fd_core.config_reference import config_keys
+
+    bare = flag.lstrip("-").replace("-", "_")
+    keys = list(config_keys())
+    section_keys = [item.flag for item in keys if item.section == bare]
+    if section_keys:
+        return section_keys[0]
+    owners = [item.flag for item in keys if item.key == bare]
+    if owners:
+        return " or ".join(owners)
+    known = _known_flags()
+    close = difflib.get_close_matches(_normal(flag), list(known), n=1, cutoff=0.6)
+    if close:
+        return known[close[0]]
+    by_key = difflib.get_close_matches(bare, [item.key for item in keys], n=1, cutoff=0.75)
+    return next((item.flag for item in keys if by_key and item.key == by_key[0]), None)
+
+
+def check_config_flags(args: list[str]) -> None:
+    """Raise UsageError for the first argument that is no config flag (``--section.key VALUE``)."""
+    known = _known_flags()
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name = arg.split("=", 1)[0]
+        if not arg.startswith("-"):
+            hint = " (did you mean: fd-serve plugins list?)" if arg.startswith("plugin") else ""
+            raise UsageError(f"unexpected argument {arg!r}{hint}")
+        if _normal(name) not in known or not name.startswith("--"):
+            hint = suggest_flag(name)
+            raise UsageError(f"unknown flag {name}" + (f"; did you mean {hint}?" if hint else ""))
+        if "=" not in arg:
+            if i + 1 == len(args):
+                raise UsageError(f"flag {name} needs a value")
+            i += 1  # its value, whatever it looks like (-1 is a value)
+        i += 1
