@@ -69,8 +69,9 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     selection = resolve(config, registry, apply_worker_env=True)  # raises every config problem at once
     platform = selection.platform
     assert platform is not None, "resolve() instantiates the selected platform"
-    os.environ.update(platform.worker_env())
-    kernels = choose_kernels(platform, selection.platform_reason)
+    worker_env = platform.worker_env()
+    os.environ.update(worker_env)
+    kernels = choose_kernels(platform, selection.platform_reason, worker_env)
 
     stage = f"loading the model {config.model.source!r}"
     report(stage)
@@ -108,12 +109,13 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
                       model_name=config.model.served_name or config.model.source, config=config)
 
 
-def choose_kernels(platform: Platform, platform_reason: str) -> KernelSet:
-    """The kernels ``platform.capabilities`` allow, announced in one start-up line."""
+def choose_kernels(platform: Platform, platform_reason: str, worker_env: dict[str, str]) -> KernelSet:
+    """The kernels ``platform.capabilities`` allow, announced in one start-up line (with the
+    worker environment that was applied)."""
     from fd_core.model.kernels import select_kernels
 
     kernels = select_kernels(platform.capabilities)
-    env = " ".join(f"{key}={value}" for key, value in sorted(platform.worker_env().items())) or "none"
+    env = " ".join(f"{key}={value}" for key, value in sorted(worker_env.items())) or "none"
     log.info("platform %s (%s); capabilities: %s; kernels: %s; worker env: %s", platform.name, platform_reason,
              " ".join(sorted(platform.capabilities)) or "none", kernels.describe(), env)
     return kernels

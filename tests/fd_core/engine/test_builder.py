@@ -71,7 +71,7 @@ def test_start_up_line_shows_the_kernels_the_probed_cpu_allows(monkeypatch, capl
     monkeypatch.setattr(cpu_features, "probe_cpu_features", lambda: features)
     platform = CpuPlatform()
     with caplog.at_level(logging.INFO, logger="fd_core.engine.builder"):
-        kernels = choose_kernels(platform, "auto: " + CpuPlatform.detect().reason)
+        kernels = choose_kernels(platform, "auto: " + CpuPlatform.detect().reason, platform.worker_env())
     assert kernels.describe().startswith(chosen)
     [line] = [r.getMessage() for r in caplog.records]
     assert "Faked CPU 9000" in line and f"kernels: {chosen}" in line
@@ -82,7 +82,8 @@ def test_forced_portable_kernels_on_an_avx512_cpu(monkeypatch, caplog):
     monkeypatch.setattr(cpu_features, "probe_cpu_features",
                         lambda: CpuFeatures("Faked Xeon", frozenset(ISA_FEATURES), "/proc/cpuinfo"))
     with caplog.at_level(logging.INFO, logger="fd_core.engine.builder"):
-        kernels = choose_kernels(CpuPlatform(CpuSettings(kernels="portable")), "explicit")
+        platform = CpuPlatform(CpuSettings(kernels="portable"))
+        kernels = choose_kernels(platform, "explicit", platform.worker_env())
     assert kernels.describe() == "rms_norm=portable (fused needs fused_rms_norm)"
     assert "capabilities: paged_attention;" in caplog.records[0].getMessage()
 

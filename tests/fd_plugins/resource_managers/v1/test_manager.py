@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from fd_core.contracts.resource_manager import KVLimits
 from fd_core.hookspecs import hookimpl
 from fd_core.registry import Registry
