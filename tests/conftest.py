@@ -50,3 +50,17 @@ def run_fd_serve(*args: str, env: dict[str, str] | None = None, cwd: Path | None
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "fd_core.cli", *args], capture_output=True, text=True,
                           env=full_env, cwd=cwd, timeout=timeout)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    """A real redis-server on a free loopback port (skipped where none is installed, except in CI)."""
+    from fd_core.testing.redis_server import RedisServer, redis_server_path
+
+    if redis_server_path() is None:
+        if os.environ.get("FD_REQUIRE_REDIS"):
+            pytest.fail("redis-server is not installed but FD_REQUIRE_REDIS is set (.ci/run installs it)")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()

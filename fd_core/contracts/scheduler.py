@@ -13,6 +13,12 @@ Invariants:
   to their origin), each output once, in the order they were put per request.
 - ``get_requests(timeout=...)`` blocks at most ``timeout`` seconds when nothing is queued;
   it must not spin. :meth:`wake` makes a blocked call return early.
+- A request handed out may come with ``output_token_ids`` already filled: a *continuation* of
+  one whose earlier holder was lost. Those tokens reached the client already; the engine
+  computes their KV and goes on after them (the token processor replays them silently).
+- A cluster scheduler may give up a request it handed out (its origin is gone, or it lost the
+  lease and another instance serves it): :meth:`take_cancelled` names it, the engine ends it as
+  aborted, and its outputs are not routed anywhere.
 """
 
 from __future__ import annotations
@@ -64,6 +70,17 @@ class Scheduler(SeamPlugin, ABC):
     @abstractmethod
     def num_waiting(self) -> int:
         """Requests queued and not yet handed to the engine."""
+
+    def take_cancelled(self) -> list[str]:
+        """Ids of handed-out requests nobody reads any more, each named once; the engine ends them.
+
+        Called at the start of every step. The default has none.
+        """
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for ``/metrics`` (numbers; a ``degraded_reason`` string marks ``/health`` degraded)."""
+        return {}
 
     def wake(self) -> None:
         """Make a blocked :meth:`get_requests` return now (e.g. an abort or shutdown arrived)."""

@@ -3,7 +3,8 @@
 One loop serves the offline ``LLM``, the asyncio client and the server's engine process.
 Each step:
 
-1. apply aborts that other threads asked for (they only queue an id and wake the loop);
+1. apply aborts that other threads asked for (they only queue an id and wake the loop) and
+   end the requests the scheduler gave up (``take_cancelled``);
 2. take new requests from the request scheduler while the resource manager has room for them
    (the rest stay in the scheduler, where its ordering hook, TTL and size limit apply);
 3. ``resource_manager.schedule()`` plans the batch;
@@ -68,6 +69,7 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens: int          # computed prompt tokens (excluding prefix-cache hits)
     num_generated_tokens: int
+    scheduler: dict[str, Any]       # the scheduler's own figures (Scheduler.stats)
 
 
 class EngineCore:
@@ -220,7 +222,14 @@ class EngineCore:
 
     def _collect_stats(self) -> EngineStats:
         return EngineStats(self.resource_manager.stats(), self.scheduler.num_waiting(), self._num_steps,
-                           self._num_prompt_tokens, self._num_generated_tokens)
+                           self._num_prompt_tokens, self._num_generated_tokens, self._scheduler_stats())
+
+    def _scheduler_stats(self) -> dict[str, Any]:
+        try:
+            return dict(self.scheduler.stats())
+        except Exception as exc:
+            self._failures.report(plugin_label(self.scheduler), "stats", f"raised {type(exc).__name__}: {exc}")
+            return {}
 
     def _forget_id(self, request_id: str) -> None:
         with self._live_lock:
@@ -277,6 +286,10 @@ class EngineCore:
             request = self._in_engine.get(request_id)
             if request is not None:  # else already ended, or unknown
                 endings[request_id] = (request, FinishReason.ABORT, None, None)
+        for request_id in self.scheduler.take_cancelled():   # given up by the scheduler: nobody reads it
+            request = self._in_engine.get(request_id)
+            if request is not None:
+                endings[request_id] = (request, FinishReason.ABORT, "the scheduler gave the request up", None)
         return self._end(list(endings.values()))
 
     def _end(self, endings: list[_Ending]) -> list[RequestOutput]:

@@ -56,6 +56,26 @@ class _EngineCollector(Collector):
                                   value=stats["num_prompt_tokens"])
         yield CounterMetricFamily("fd_generation_tokens", "Tokens generated.", value=stats["num_generated_tokens"])
         yield CounterMetricFamily("fd_engine_steps", "Engine steps run.", value=stats["num_steps"])
+        yield from _scheduler_metrics(stats.get("scheduler") or {})
+
+
+#: Scheduler figures that only grow (exported as counters; the others are gauges).
+_SCHEDULER_COUNTERS: Final = frozenset({"served_for_peers", "taken_by_peers", "leases_expired", "reserved",
+                                        "redis_round_trips", "degraded_episodes"})
+
+
+def _scheduler_metrics(figures: dict[str, Any]) -> Iterator[Metric]:
+    """``fd_scheduler_<figure>`` for each number of Scheduler.stats(); ``fd_scheduler_degraded`` 0/1."""
+    yield GaugeMetricFamily("fd_scheduler_degraded", "1 while the scheduler serves degraded (see /health).",
+                            value=int(bool(figures.get("degraded_reason"))))
+    for key, value in sorted(figures.items()):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        name = f"fd_scheduler_{key}"
+        if key in _SCHEDULER_COUNTERS:
+            yield CounterMetricFamily(name, f"Scheduler figure {key} (total).", value=value)
+        else:
+            yield GaugeMetricFamily(name, f"Scheduler figure {key} (now).", value=value)
 
 
 class ServerMetrics:

@@ -80,15 +80,24 @@ api = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 async def health(request: Request) -> JSONResponse:
     """200 when the engine serves; 503 while starting, draining or after it died.
 
-    Once the engine is up the body also names its kernels and how long its warm-up took.
+    ``degraded`` (still 200: it serves what reaches it) when the scheduler says so, e.g. the
+    global scheduler lost its Redis. Once the engine is up the body also names its kernels and
+    how long its warm-up took.
     """
     state = _state(request)
     status, reason = state.status()
+    if status == "ok":
+        try:
+            degraded = ((await state.client.stats()).get("scheduler") or {}).get("degraded_reason")
+        except (FdError, asyncio.TimeoutError):
+            degraded = None   # the engine's own state above is what counts then
+        if degraded:
+            status, reason = "degraded", degraded
     body: dict[str, Any] = {"status": status, "reason": reason}
     info = state.client.info
     if info:
         body["engine"] = {"kernels": info.get("kernels"), "warm_up_s": info.get("warm_up_s")}
-    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+    return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
 
 @router.get("/metrics")

@@ -22,6 +22,11 @@ A finish is *reported* by the output's ``finish_reason``; the engine core ends t
 most an incomplete character and a partial stop string): an aborted stream ends with what was
 already sent.
 
+A request that arrives with ``output_token_ids`` already filled (a continuation: see the
+Scheduler contract) has them replayed through the detokenizer and the stop-string matcher
+without output, so text held back across the splice and stop strings spanning it come out
+exactly as if one instance had served the whole request.
+
 Metrics: the output carrying the first token gets a :class:`~fd_core.outputs.RequestMetrics`
 snapshot (the core fills the final output's); the others carry ``metrics=None``.
 """
@@ -80,7 +85,13 @@ class DefaultTokenProcessor(TokenProcessor):
         self._states: dict[str, _RequestState] = {}   # request id -> state, until finished
 
     def add_request(self, request: Request) -> None:
-        self._states[request.request_id] = self._new_state(request)
+        state = self._states[request.request_id] = self._new_state(request)
+        for count, token_id in enumerate(request.output_token_ids, start=1):   # a continuation: replay
+            if count >= state.min_tokens and token_id in state.stop_ids:
+                continue   # cannot happen (it would have finished); keeps the replay's text identical
+            text = state.detokenizer.push(token_id)
+            if state.stops is not None:
+                state.stops.feed(text, active=count >= state.min_tokens)
 
     def process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Consume one step's sampled tokens; return one output per request that got a token.

@@ -1,0 +1,80 @@
+"""A real ``redis-server`` on a free loopback port, for tests of the ``global`` scheduler.
+
+No persistence: a restart starts empty, like a Redis that lost its data. Usable from a plugin author's own tests::
+
+    with RedisServer(tmp_path) as server:
+        settings = {"url": server.url}
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Final
+
+#: How long start-up may take before the server counts as broken.
+START_TIMEOUT_S: Final = 10.0
+
+
+def redis_server_path() -> str | None:
+    """The ``redis-server`` executable on PATH, or None."""
+    return shutil.which("redis-server")
+
+
+class RedisServer:
+    """One ``redis-server`` child process bound to 127.0.0.1; :meth:`stop`, :meth:`start` again."""
+
+    def __init__(self, folder: Path, port: int | None = None) -> None:
+        executable = redis_server_path()
+        if executable is None:
+            raise FileNotFoundError("redis-server is not on PATH (apt-get install redis-server)")
+        self._executable = executable
+        self.folder = folder
+        self.port = port or _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        """Start (again) on the same port; returns once it answers PING."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        log = (self.folder / "redis.log").open("ab")
+        self._process = subprocess.Popen(
+            [self._executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.folder)], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self._process.returncode}: "
+                                   f"{(self.folder / 'redis.log').read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {START_TIMEOUT_S} s")
+
+    def stop(self) -> None:
+        """Kill the server (its data is gone)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

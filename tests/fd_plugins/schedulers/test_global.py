@@ -1,0 +1,168 @@
+"""The ``global`` scheduler against a real redis-server, without a model: two pool members in
+this process, driven the way the engine loop drives them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from fd_core.errors import ConfigError
+from fd_core.outputs import RequestOutput
+from fd_core.request import FinishReason, Request, SamplingParams
+from fd_plugins.schedulers.pool.scheduler import GlobalScheduler
+from fd_plugins.schedulers.pool.settings import GlobalSchedulerSettings
+
+FAST = {"heartbeat_s": 0.1, "lease_s": 0.4, "poll_s": 0.02, "steal_min_queued": 1}
+
+
+class _NoHooks:
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda **kwargs: None
+
+
+@pytest.fixture
+def pool(redis_server: Any) -> Iterator[Callable[..., GlobalScheduler]]:
+    made: list[GlobalScheduler] = []
+
+    def member(name: str, **options: Any) -> GlobalScheduler:
+        settings = GlobalSchedulerSettings(url=redis_server.url, instance_id=name, **{**FAST, **options})
+        scheduler = GlobalScheduler(settings, hooks=_NoHooks(), max_queue_size=64)
+        made.append(scheduler)
+        return scheduler
+
+    yield member
+    for scheduler in made:
+        scheduler.close()
+
+
+def _request(request_id: str) -> Request:
+    return Request(request_id, [1, 2, 3], SamplingParams(max_tokens=8))
+
+
+def _output(request: Request, token: int, *, finished: bool = False) -> RequestOutput:
+    request.output_token_ids.append(token)
+    return RequestOutput(request.request_id, [token], f"<{token}>", finished=finished,
+                         finish_reason=FinishReason.LENGTH if finished else None,
+                         num_prompt_tokens=3, num_output_tokens=len(request.output_token_ids))
+
+
+def _results_until(scheduler: GlobalScheduler, done: Callable[[list[RequestOutput]], bool],
+                   timeout: float = 5.0) -> list[RequestOutput]:
+    got: list[RequestOutput] = []
+    deadline = time.monotonic() + timeout
+    while not done(got):
+        assert time.monotonic() < deadline, f"results so far: {got}"
+        got += scheduler.get_results(timeout=0.1)
+    return got
+
+
+def test_unreachable_redis_fails_start_up_naming_the_url() -> None:
+    settings = GlobalSchedulerSettings(url="redis://127.0.0.1:1/0", socket_timeout_s=0.5)
+    with pytest.raises(ConfigError) as info:
+        GlobalScheduler(settings, hooks=_NoHooks(), max_queue_size=4)
+    assert info.value.key == "scheduler.options.url"
+    assert "redis://127.0.0.1:1/0" in str(info.value)
+
+
+def test_own_queue_first_then_a_peer_takes_the_rest_and_outputs_reach_the_origin(pool) -> None:
+    a, b = pool("a"), pool("b")
+    for i in range(4):
+        a.put_request(_request(f"r{i}"))
+    mine = a.get_requests(1, timeout=1)
+    assert [r.request_id for r in mine] == ["r0"]
+    stolen = b.get_requests(8, timeout=2)
+    assert sorted(r.request_id for r in stolen) == ["r1", "r2", "r3"]
+    for request in stolen:
+        b.put_results([_output(request, 7)])
+        b.put_results([_output(request, 8, finished=True)])
+    a.put_results([_output(mine[0], 5, finished=True)])
+    got = _results_until(a, lambda got: sum(o.finished for o in got) == 4)
+    by_id: dict[str, list[int]] = {}
+    for o in got:
+        by_id.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert by_id == {"r0": [5], "r1": [7, 8], "r2": [7, 8], "r3": [7, 8]}
+    assert b.get_results(timeout=0) == []   # nothing of A's leaks to B's clients
+    time.sleep(0.3)
+    assert a.stats()["taken_by_peers"] == 3 and b.stats()["served_for_peers"] == 3
+    assert b.stats()["holding_for_peers"] == 0
+
+
+def test_a_dead_holder_s_request_continues_from_the_delivered_tokens(pool) -> None:
+    a, b = pool("a"), pool("b")
+    a.put_request(_request("r"))
+    (held,) = b.get_requests(1, timeout=2)
+    b.put_results([_output(held, 11)])
+    b.put_results([_output(held, 12)])
+    first = _results_until(a, lambda got: sum(len(o.new_token_ids) for o in got) == 2)
+    b._stop.set()   # B "dies": no heartbeats, no leave
+    b._threads[0].join()
+    (again,) = a.get_requests(1, timeout=3)      # re-queued at the front of A's queue after lease_s
+    assert again.request_id == "r" and again.output_token_ids == [11, 12]
+    b.put_results([_output(held, 99)])           # B wakes up late: fenced, nothing reaches A
+    a.put_results([_output(again, 13, finished=True)])
+    rest = _results_until(a, lambda got: any(o.finished for o in got))
+    assert [t for o in first + rest for t in o.new_token_ids] == [11, 12, 13]
+    assert b.take_cancelled() == ["r"]
+    assert a.stats()["leases_expired"] + b.stats()["leases_expired"] >= 1
+
+
+def test_an_origin_that_dies_has_its_requests_given_up_by_the_holder(pool) -> None:
+    a, b = pool("a"), pool("b")
+    a.put_request(_request("r"))
+    (held,) = b.get_requests(1, timeout=2)
+    a._stop.set()   # A "dies"
+    for thread in a._threads:
+        thread.join()
+    deadline = time.monotonic() + 3
+    cancelled: list[str] = []
+    while not cancelled:
+        assert time.monotonic() < deadline
+        cancelled = b.take_cancelled()
+        time.sleep(0.05)
+    assert cancelled == ["r"] and b.stats()["holding_for_peers"] == 0
+
+
+def test_abort_of_a_request_a_peer_holds_answers_at_once_and_the_peer_drops_it(pool) -> None:
+    a, b = pool("a"), pool("b")
+    a.put_request(_request("r"))
+    (held,) = b.get_requests(1, timeout=2)
+    assert a.abort("r") is True
+    (answer,) = _results_until(a, lambda got: bool(got))
+    assert answer.finished and answer.finish_reason is FinishReason.ABORT
+    b.put_results([_output(held, 1)])
+    assert b.take_cancelled() == ["r"]
+    assert a.get_results(timeout=0.3) == []
+
+
+def test_redis_lost_serves_own_requests_locally_and_rejoins(pool, redis_server) -> None:
+    a, b = pool("a"), pool("b")
+    a.put_request(_request("queued"))
+    a.put_request(_request("held-by-b"))
+    a.put_request(_request("third"))
+    (mine,) = a.get_requests(1, timeout=1)
+    (held,) = b.get_requests(1, timeout=2)
+    b.put_results([_output(held, 21)])
+    _results_until(a, lambda got: bool(got))
+    redis_server.stop()
+    deadline = time.monotonic() + 5
+    while a.stats()["redis_up"] or b.stats()["redis_up"]:
+        assert time.monotonic() < deadline, (a.stats(), b.stats())
+        time.sleep(0.05)
+    assert "unreachable" in a.stats()["degraded_reason"]
+    local = {r.request_id: r.output_token_ids for r in a.get_requests(8, timeout=1)}
+    assert local == {"held-by-b": [21], "third": []}  # continues after the token A's client has
+    assert b.take_cancelled() == ["held-by-b"]
+    a.put_request(_request("during"))                 # accepted while degraded
+    assert [r.request_id for r in a.get_requests(8, timeout=1)] == ["during"]
+    redis_server.start()
+    deadline = time.monotonic() + 5
+    while not (a.stats()["redis_up"] and b.stats()["redis_up"]):
+        assert time.monotonic() < deadline, (a.stats(), b.stats())
+        time.sleep(0.05)
+    a.put_request(_request("after-1"))
+    a.put_request(_request("after-2"))
+    assert [r.request_id for r in b.get_requests(8, timeout=2)] == ["after-1", "after-2"]
+    assert mine.request_id == "queued"
