@@ -31,6 +31,7 @@ backs off (:data:`FAILURE_BACKOFF_S`) so that a plugin failing on every call can
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -69,7 +70,7 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens: int          # computed prompt tokens (excluding prefix-cache hits)
     num_generated_tokens: int
-    scheduler: dict[str, Any]       # the scheduler's own figures (Scheduler.stats)
+    scheduler: dict[str, Any]       # the scheduler's own figures (Scheduler.stats), now
 
 
 class EngineCore:
@@ -211,8 +212,12 @@ class EngineCore:
         return bool(self._in_engine) or self.scheduler.num_waiting() > 0 or bool(self._aborts)
 
     def stats(self) -> EngineStats:
-        """Counters as of the end of the last step; safe to call from any thread."""
-        return self._stats
+        """Counters as of the end of the last step, the scheduler's as of now; safe from any thread."""
+        return dataclasses.replace(self._stats, scheduler=self._scheduler_stats())
+
+    def close(self) -> None:
+        """Release the seams' connections and threads (the scheduler's); once, after :meth:`run`."""
+        self._tell(self.scheduler, "close")
 
     def fail_in_flight(self, error: str) -> list[RequestOutput]:
         """End every admitted request with ``error`` (after a failed step); returns their outputs."""
@@ -222,7 +227,7 @@ class EngineCore:
 
     def _collect_stats(self) -> EngineStats:
         return EngineStats(self.resource_manager.stats(), self.scheduler.num_waiting(), self._num_steps,
-                           self._num_prompt_tokens, self._num_generated_tokens, self._scheduler_stats())
+                           self._num_prompt_tokens, self._num_generated_tokens, {})
 
     def _scheduler_stats(self) -> dict[str, Any]:
         try:

@@ -89,6 +89,7 @@ def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_
         stop.set()
         for thread in threads:
             thread.join()
+        engine.close()
         input_.close()
         output.close()
         context.term()

@@ -1,0 +1,196 @@
+"""Two fd-serve instances sharing a real redis-server (the ``global`` scheduler), on 127.0.0.1.
+
+Requests are all sent to A, whose engine runs two at a time, so B (idle) takes work from A's
+queue. Every answer is checked against the offline engine's greedy output (one instance, local
+scheduler): a duplicated or missing token after a failure would change the text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fd_core.request import SamplingParams
+from tests.fd_core.server.conftest import TINY_ARGS, ServerProcess, start_server
+from tests.fd_core.server.test_requests import metric, metrics, wait_all_blocks_free
+
+PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(12 + i)] for i in range(8)]
+MAX_TOKENS = 48
+#: Bound on how long any request of these tests may take, failures and recovery included.
+REQUEST_TIMEOUT_S = 90.0
+
+
+#: Output length of the requests that outlive a killed holder.
+LONG_MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> dict[Any, str]:
+    """Greedy text of each prompt from one offline engine with the local scheduler: ``[i]`` for
+    MAX_TOKENS, ``["long", i]`` for LONG_MAX_TOKENS."""
+    from fd_core.engine.llm import LLM
+
+    llm = LLM(str(tiny_model), cache={"num_blocks": 256})
+    texts: dict[Any, str] = {}
+    for key, max_tokens in ((lambda i: i, MAX_TOKENS), (lambda i: ("long", i), LONG_MAX_TOKENS)):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        texts.update((key(i), r.text) for i, r in enumerate(llm.generate(PROMPTS, params)))
+    return texts
+
+
+def _pool_config(tmp_path: Path, url: str, name: str) -> str:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(f"""
+[scheduler]
+name = "global"
+[scheduler.options]
+url = "{url}"
+instance_id = "{name}"
+heartbeat_s = 0.2
+lease_s = 1.0
+steal_min_queued = 1
+""")
+    return str(path)
+
+
+def _start(tmp_path: Path, tiny_model: Path, url: str, name: str, *args: str) -> ServerProcess:
+    return start_server(tmp_path, "--config", _pool_config(tmp_path, url, name), "--model.source", str(tiny_model),
+                        *TINY_ARGS, *args, name=name)
+
+
+def _stream(url: str, index: int, started: threading.Event | None = None, max_tokens: int = MAX_TOKENS) -> str:
+    """The streamed text of one greedy completion of PROMPTS[index]; raises on an error event."""
+    body = {"prompt": PROMPTS[index], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            assert "error" not in event, event
+            text += event["choices"][0]["text"]
+            if started is not None and text:
+                started.set()
+    return text
+
+
+def _complete(url: str, index: int) -> str:
+    body = {"prompt": PROMPTS[index], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def _wait_for(condition: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def _figure(server: ServerProcess, name: str) -> float:
+    return metric(metrics(server.url), name)
+
+
+@pytest.fixture
+def pool(redis_server: Any, tiny_model: Path, tmp_path: Path):
+    """A (two requests at a time) and B, sharing ``redis_server``."""
+    a = _start(tmp_path, tiny_model, redis_server.url, "a", "--engine.max_num_seqs", "2")
+    try:
+        b = _start(tmp_path, tiny_model, redis_server.url, "b")
+    except BaseException:
+        a.stop()
+        raise
+    yield a, b
+    for server in (a, b):
+        server.stop()
+
+
+def test_a_busy_instance_s_requests_are_shared_and_answered_exactly_through_it(pool, reference) -> None:
+    a, b = pool
+    with ThreadPoolExecutor(8) as workers:
+        streamed = list(workers.map(lambda i: _stream(a.url, i), range(8)))
+        whole = list(workers.map(lambda i: _complete(a.url, i), range(8)))
+    assert streamed == whole == [reference[i] for i in range(8)]
+    served = _figure(b, "fd_scheduler_served_for_peers_total")
+    taken = _figure(a, "fd_scheduler_taken_by_peers_total")
+    assert served > 0 and taken == served, (served, taken)
+    assert _figure(a, "fd_scheduler_redis_round_trips_total") > 0
+    for server in (a, b):
+        wait_all_blocks_free(server.url)
+        assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_kill_9_of_a_holder_re_serves_its_requests_without_duplicate_or_gap(pool, reference) -> None:
+    a, b = pool
+    starts = [threading.Event() for _ in range(8)]
+    with ThreadPoolExecutor(8) as workers:
+        futures = [workers.submit(_stream, a.url, i, starts[i], LONG_MAX_TOKENS) for i in range(8)]
+        _wait_for(lambda: _figure(b, "fd_scheduler_holding_for_peers") > 0 and sum(s.is_set() for s in starts) > 2,
+                  "B to hold some of A's requests while their streams run")
+        os.kill(b.engine_pid(), signal.SIGKILL)
+        os.kill(b.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        texts = [future.result(timeout=REQUEST_TIMEOUT_S) for future in futures]
+        recovery_s = time.monotonic() - t0
+    assert texts == [reference["long", i] for i in range(8)], "a stream differs from the single-instance answer"
+    assert _figure(a, "fd_scheduler_leases_expired_total") >= 1
+    assert _figure(a, "fd_scheduler_reserved_total") >= 1
+    assert recovery_s < REQUEST_TIMEOUT_S
+    wait_all_blocks_free(a.url)
+
+
+def test_kill_9_of_the_origin_stops_its_requests_on_the_peer(pool) -> None:
+    a, b = pool
+    starts = [threading.Event() for _ in range(8)]
+    workers = ThreadPoolExecutor(8)
+    futures = [workers.submit(_stream, a.url, i, starts[i], 400) for i in range(8)]
+    _wait_for(lambda: _figure(b, "fd_scheduler_holding_for_peers") > 0 and _figure(b, "fd_kv_cache_blocks_used") > 0,
+              "B to run some of A's requests")
+    os.kill(a.engine_pid(), signal.SIGKILL)
+    os.kill(a.proc.pid, signal.SIGKILL)
+    for future in futures:
+        with pytest.raises(Exception):   # A's clients lose their connection with A
+            future.result(timeout=REQUEST_TIMEOUT_S)
+    workers.shutdown()
+    _wait_for(lambda: _figure(b, "fd_scheduler_holding_for_peers") == 0, "B to give A's requests up", timeout=15)
+    wait_all_blocks_free(b.url, timeout=15)
+
+
+def test_redis_lost_and_back_nothing_accepted_is_lost(pool, redis_server, reference) -> None:
+    a, b = pool
+    starts = [threading.Event() for _ in range(8)]
+    with ThreadPoolExecutor(8) as workers:
+        futures = [workers.submit(_stream, a.url, i, starts[i]) for i in range(8)]
+        _wait_for(lambda: sum(s.is_set() for s in starts) >= 2, "streams to start")
+        redis_server.stop()
+        texts = [future.result(timeout=REQUEST_TIMEOUT_S) for future in futures]
+        assert texts == [reference[i] for i in range(8)]
+        for server in (a, b):
+            health = _wait_for(lambda s=server: (h := httpx.get(s.url + "/health").json())["status"] == "degraded"
+                               and h, "/health to say degraded")
+            assert "unreachable" in health["reason"]
+            assert _figure(server, "fd_scheduler_degraded") == 1
+        # each still answers what reaches it directly
+        assert _complete(a.url, 0) == reference[0] and _complete(b.url, 1) == reference[1]
+        redis_server.start()
+        _wait_for(lambda: all(httpx.get(s.url + "/health").json()["status"] == "ok" for s in (a, b)),
+                  "both instances to rejoin the pool")
+        before = _figure(b, "fd_scheduler_served_for_peers_total")
+        again = list(workers.map(lambda i: _stream(a.url, i), range(8)))
+    assert again == [reference[i] for i in range(8)]
+    assert _figure(b, "fd_scheduler_served_for_peers_total") > before, "B took no work from A after the rejoin"
