@@ -125,10 +125,12 @@ class PlatformSection(SeamSection):
 
 
 class ParallelSection(_Section):
-    """Parallelism; only size 1 runs so far."""
+    """Parallelism: data-parallel ranks behind one fd-serve; tensor parallelism does not run yet."""
 
-    data_parallel_size: int = Field(1, gt=0)
-    tensor_parallel_size: int = Field(1, gt=0)
+    data_parallel_size: int = Field(1, gt=0, description=(
+        "Engine processes (ranks) behind one fd-serve, each with its own KV pool and a share of the CPUs; "
+        "requests go to the rank with the fewest tokens in flight."))
+    tensor_parallel_size: int = Field(1, gt=0, description="Only 1 runs in this version.")
 
 
 class ServerSection(_Section):

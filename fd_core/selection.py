@@ -176,10 +176,12 @@ def _check_model_source(config: FdConfig) -> Problems:
 
 
 def _check_parallel(config: FdConfig) -> Problems:
-    return [(f"parallel.{key}", f"{size} is not supported yet: only {RUNNABLE_PARALLEL_SIZE} runs in this "
-                                f"version{_from_env(config, f'parallel.{key}')}")
-            for key in ("tensor_parallel_size", "data_parallel_size")
-            if (size := getattr(config.parallel, key)) != RUNNABLE_PARALLEL_SIZE]
+    """Tensor parallelism does not run yet; data parallelism is fd-serve's (one engine per rank)."""
+    size = config.parallel.tensor_parallel_size
+    if size == RUNNABLE_PARALLEL_SIZE:
+        return []
+    return [("parallel.tensor_parallel_size", f"{size} is not supported yet: only {RUNNABLE_PARALLEL_SIZE} runs "
+                                              f"in this version{_from_env(config, 'parallel.tensor_parallel_size')}")]
 
 
 def _check_dtype(config: FdConfig, selection: Selection) -> Problems:

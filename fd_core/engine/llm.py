@@ -104,14 +104,19 @@ def engine_config(model: str | None, config: FdConfig | None, sections: dict[str
     """The config of an in-process engine: ``config`` as given, or ``model`` + section overrides
     on top of the environment and defaults (``LLM`` and ``AsyncLLM.start`` take both forms)."""
     from fd_core.config import load_config
+    from fd_core.errors import ConfigError
 
     if config is not None:
         if model is not None or sections:
             raise ValueError("pass either config= or model/section overrides, not both")
-        return config
-    if model is not None:
-        sections["model"] = {**sections.get("model", {}), "source": model}
-    return load_config(**sections)
+    else:
+        if model is not None:
+            sections["model"] = {**sections.get("model", {}), "source": model}
+        config = load_config(**sections)
+    if config.parallel.data_parallel_size != 1:
+        raise ConfigError("parallel.data_parallel_size", f"{config.parallel.data_parallel_size}: an in-process "
+                          "engine is one rank; data-parallel ranks run behind fd-serve")
+    return config
 
 
 def _is_token_list(value: Any) -> bool:

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from fd_core.errors import FdError
 from fd_core.server.drain import Drain
+from fd_core.server.data_parallel import DataParallelClient
 from fd_core.server.engine_client import EngineClient
 from fd_core.server.http_errors import ApiError, from_exception, from_validation_errors
 from fd_core.server.metrics import ServerMetrics
@@ -52,7 +53,8 @@ def create_app(config: FdConfig, *, on_fatal: Callable[[str, int], None], log_le
                                               EXIT_ENGINE_DIED)
 
     metrics = ServerMetrics()
-    client = EngineClient(config, log_level=log_level, on_finished=metrics.observe, on_dead=on_engine_death)
+    client_type = DataParallelClient if config.parallel.data_parallel_size > 1 else EngineClient
+    client = client_type(config, log_level=log_level, on_finished=metrics.observe, on_dead=on_engine_death)
     state = ServerState(config=config, model_name=config.model.served_name or config.model.source,
                         client=client, metrics=metrics, drain=Drain(config.server.shutdown_timeout_s))
 

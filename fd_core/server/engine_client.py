@@ -101,8 +101,13 @@ class EngineClient:
 
     def __init__(self, config: FdConfig, *, log_level: str = "INFO",
                  on_finished: Callable[[RequestOutput], None] | None = None,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None,
+                 name: str | None = None, cpus: list[int] | None = None) -> None:
+        """``name`` prefixes every reason it gives (a data-parallel rank); ``cpus`` pins the
+        engine process to those CPUs (None: it runs where the front end may)."""
         self.config = config
+        self.name = name
+        self._cpus = cpus
         self.state = EngineState.STARTING
         self.dead_reason: str | None = None
         #: What the engine is doing while STARTING (its last STARTING message).
@@ -139,7 +144,7 @@ class EngineClient:
         self._tasks = [asyncio.create_task(self._send_loop(), name="fd-engine-sender"),
                        asyncio.create_task(self._read_loop(), name="fd-engine-reader")]
         process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(self.config, input_addr, output_addr, self._log_level),
+            target=run_engine_process, args=(self.config, input_addr, output_addr, self._log_level, self._cpus),
             name="fd-engine")
         process.start()
         self._process = process
@@ -325,6 +330,8 @@ class EngineClient:
     def _die(self, reason: str) -> None:
         if self.state is EngineState.DEAD:
             return
+        if self.name:
+            reason = f"{self.name}: {reason}"
         was_serving = self.state is EngineState.READY
         log.error("%s", reason)
         self.state = EngineState.DEAD

@@ -43,10 +43,17 @@ log = logging.getLogger(__name__)
 IDLE_CHECK_MS: Final = 500
 
 
-def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_level: str) -> None:
-    """Process target: build the engine, announce READY (or FAILED) and serve until SHUTDOWN."""
+def run_engine_process(config: FdConfig, input_addr: str, output_addr: str, log_level: str,
+                       cpus: list[int] | None = None) -> None:
+    """Process target: build the engine, announce READY (or FAILED) and serve until SHUTDOWN.
+
+    ``cpus``: run on these CPUs only (a data-parallel rank's share), before anything reads
+    the CPU count (the cpu platform sizes its thread pools from it).
+    """
     import zmq
 
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")

@@ -25,6 +25,7 @@ from fd_core.server.http_errors import ENGINE_DEAD, ENGINE_STARTING, SHUTTING_DO
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
     from fd_core.server.drain import Drain
+    from fd_core.server.data_parallel import DataParallelClient
     from fd_core.server.engine_client import EngineClient
     from fd_core.server.metrics import ServerMetrics
     from fd_core.server.prepare import Limits
@@ -44,7 +45,7 @@ _UNAVAILABLE_CODES: Final = {"starting": ENGINE_STARTING, "dead": ENGINE_DEAD, "
 class ServerState:
     config: FdConfig
     model_name: str           # the name clients use (model.served_name or model.source)
-    client: EngineClient
+    client: EngineClient | DataParallelClient
     metrics: ServerMetrics
     drain: Drain              # fails what is still in flight once server.shutdown_timeout_s ran out
     tokenizer: Any = None     # set once loaded (the engine may still be starting)

@@ -102,16 +102,14 @@ def test_a_model_source_that_cannot_load_is_refused_before_loading(tmp_path, sou
 
 
 def test_every_problem_is_reported_at_once_naming_env_variables(tmp_path, monkeypatch):
-    monkeypatch.setenv("FD_PARALLEL__DATA_PARALLEL_SIZE", "2")
+    monkeypatch.setenv("FD_PARALLEL__TENSOR_PARALLEL_SIZE", "4")
     with pytest.raises(ConfigError) as info:
-        _checked(tmp_path, model={"dtype": "float16"}, parallel={"tensor_parallel_size": 4},
-                 scheduler={"options": {"ttl_s": -1, "bogus": 1}})
+        _checked(tmp_path, model={"dtype": "float16"}, scheduler={"options": {"ttl_s": -1, "bogus": 1}})
     assert str(info.value).splitlines() == [
         "scheduler.options.ttl_s: Input should be greater than 0",
         "scheduler.options.bogus: Extra inputs are not permitted",
-        "parallel.tensor_parallel_size: 4 is not supported yet: only 1 runs in this version",
-        "parallel.data_parallel_size: 2 is not supported yet: only 1 runs in this version "
-        "(from FD_PARALLEL__DATA_PARALLEL_SIZE)",
+        "parallel.tensor_parallel_size: 4 is not supported yet: only 1 runs in this version "
+        "(from FD_PARALLEL__TENSOR_PARALLEL_SIZE)",
         "model.dtype: 'float16' is not supported by platform 'envprobe'; it supports ['float32']"]
 
 

@@ -68,11 +68,16 @@ class ServerProcess:
 
     def engine_pid(self) -> int:
         """The engine process: the child that is not multiprocessing's resource tracker."""
+        return self.engine_pids()[0]
+
+    def engine_pids(self) -> list[int]:
+        """Every engine process (one per data-parallel rank), oldest first."""
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        for pid in map(int, children):
-            if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-        raise RuntimeError(f"no engine process among the children {children} of {self.proc.pid}")
+        pids = [pid for pid in map(int, children)
+                if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        if not pids:
+            raise RuntimeError(f"no engine process among the children {children} of {self.proc.pid}")
+        return pids
 
     def stop(self) -> int:
         """SIGTERM, wait, and return the exit code (kill if it hangs)."""

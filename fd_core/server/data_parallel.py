@@ -1,0 +1,175 @@
+"""Data parallelism behind one front end: N engine processes (ranks), requests placed by load.
+
+``parallel.data_parallel_size = N`` makes the server use a :class:`DataParallelClient` instead
+of one :class:`~fd_core.server.engine_client.EngineClient`; it has the same surface. Each rank
+is a whole engine (its own KV pool, scheduler, runner) pinned to its share of the CPUs, so N
+ranks on N cores do not fight over them. The requests of one call (the ``n`` choices, or several
+prompts) go to the rank with the fewest tokens in flight (prompt + ``max_tokens`` of each
+request placed there and not finished); its outputs come back on that rank's stream.
+
+A rank that dies fails its own requests at once (their streams raise EngineDeadError naming the
+rank and how it died); the others keep serving and ``/health`` says ``degraded``. Only when
+every rank is dead is the engine dead (the server then exits for its supervisor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from fd_core.errors import EngineDeadError
+from fd_core.server.engine_client import EngineClient, EngineStartError, EngineState
+
+if TYPE_CHECKING:
+    from fd_core.config import FdConfig
+    from fd_core.outputs import RequestOutput
+    from fd_core.request import Request
+    from fd_core.server.engine_client import RequestStream
+
+log = logging.getLogger(__name__)
+
+
+def split_cpus(cpus: list[int], ranks: int) -> list[list[int]]:
+    """Contiguous, disjoint shares of ``cpus``, one per rank; with fewer CPUs than ranks, ranks share."""
+    if len(cpus) < ranks:
+        return [[cpus[rank % len(cpus)]] for rank in range(ranks)]
+    size, extra = divmod(len(cpus), ranks)
+    shares, start = [], 0
+    for rank in range(ranks):
+        end = start + size + (rank < extra)
+        shares.append(cpus[start:end])
+        start = end
+    return shares
+
+
+class DataParallelClient:
+    """N :class:`EngineClient` ranks as one; every method runs on the server's event loop."""
+
+    def __init__(self, config: FdConfig, *, log_level: str = "INFO",
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_dead: Callable[[str], None] | None = None) -> None:
+        size = config.parallel.data_parallel_size
+        shares = split_cpus(sorted(os.sched_getaffinity(0)), size)
+        self.config = config
+        self._on_finished = on_finished
+        self._on_dead = on_dead
+        self.ranks = [EngineClient(config, log_level=log_level, on_finished=self._finished,
+                                   on_dead=self._rank_died, name=f"data-parallel rank {rank}", cpus=shares[rank])
+                      for rank in range(size)]
+        self.cpu_shares = shares
+        self._load = [0] * size                     # tokens in flight per rank
+        self._placed: dict[str, tuple[int, int]] = {}  # request id -> (rank, tokens)
+
+    # --- the EngineClient surface --------------------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        states = {rank.state for rank in self.ranks}
+        for state in (EngineState.READY, EngineState.STARTING, EngineState.DEAD):
+            if state in states:
+                return state
+        return EngineState.STOPPED
+
+    @property
+    def dead_reason(self) -> str | None:
+        reasons = [rank.dead_reason for rank in self.ranks if rank.dead_reason]
+        return "; ".join(reasons) or None
+
+    @property
+    def stage(self) -> str:
+        starting = [rank for rank in self.ranks if rank.state is EngineState.STARTING]
+        return "; ".join(f"{rank.name}: {rank.stage}" for rank in starting) or "ready"
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return next((rank.info for rank in self.ranks if rank.info), {})
+
+    async def start(self, timeout: float) -> None:
+        """Start every rank at once; any rank failing to start fails the whole start."""
+        results = await asyncio.gather(*(rank.start(timeout) for rank in self.ranks), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed if isinstance(failed, EngineStartError) else EngineStartError(str(failed))
+        log.info("%d data-parallel ranks ready on CPUs %s", len(self.ranks),
+                 " | ".join(",".join(map(str, share)) for share in self.cpu_shares))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(rank.shutdown() for rank in self.ranks))
+
+    async def add(self, requests: list[Request]) -> RequestStream:
+        """Queue ``requests`` on the live rank with the fewest tokens in flight."""
+        live = [i for i, rank in enumerate(self.ranks) if rank.state is EngineState.READY]
+        if not live:
+            raise self._unavailable()
+        rank = min(live, key=lambda i: self._load[i])
+        tokens = [r.num_prompt_tokens + r.sampling_params.max_tokens for r in requests]
+        stream = await self.ranks[rank].add(requests)
+        for request, n in zip(requests, tokens, strict=True):
+            self._placed[request.request_id] = (rank, n)
+            self._load[rank] += n
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            placed = self._placed.get(request_id)
+            if placed is not None:
+                self.ranks[placed[0]].abort([request_id])
+
+    async def stats(self) -> dict[str, Any]:
+        """The live ranks' EngineStats summed, with ``ranks``: each rank's own figures."""
+        live = [rank for rank in self.ranks if rank.state is EngineState.READY]
+        if not live:
+            raise self._unavailable()
+        per_rank = await asyncio.gather(*(rank.stats() for rank in live))
+        merged = _sum_stats(per_rank)
+        by_rank = dict(zip((self.ranks.index(rank) for rank in live), per_rank, strict=True))
+        merged["ranks"] = [{"rank": i, "up": int(i in by_rank), "tokens_in_flight": self._load[i],
+                            **({"kv": by_rank[i]["kv"], "generation_tokens": by_rank[i]["num_generated_tokens"]}
+                               if i in by_rank else {})} for i in range(len(self.ranks))]
+        dead = [rank.dead_reason for rank in self.ranks if rank.state is EngineState.DEAD]
+        if dead:
+            scheduler = merged.setdefault("scheduler", {})
+            scheduler["degraded_reason"] = "; ".join(filter(None, [scheduler.get("degraded_reason"), *dead]))
+        return merged
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _unavailable(self) -> EngineDeadError:
+        if self.state is EngineState.STARTING:
+            return EngineDeadError("the engine is starting; retry shortly")
+        return EngineDeadError(self.dead_reason or "the engine is stopped")
+
+    def _finished(self, output: RequestOutput) -> None:
+        placed = self._placed.pop(output.request_id, None)
+        if placed is not None:
+            self._load[placed[0]] -= placed[1]
+        if self._on_finished is not None:
+            self._on_finished(output)
+
+    def _rank_died(self, reason: str) -> None:
+        for request_id, (rank, n) in list(self._placed.items()):
+            if self.ranks[rank].state is EngineState.DEAD:
+                del self._placed[request_id]
+                self._load[rank] -= n
+        if self.state is EngineState.DEAD:
+            if self._on_dead is not None:
+                self._on_dead(self.dead_reason or reason)
+        else:
+            log.error("%s; the other data-parallel ranks keep serving", reason)
+
+
+def _sum_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Numbers summed key by key (nested dicts too); anything else keeps the first value not None."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, dict):
+                merged[key] = _sum_stats([merged.get(key, {}), value])
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and key in merged:
+                merged[key] += value
+            elif merged.get(key) is None:
+                merged[key] = value
+    return merged
