@@ -166,3 +166,11 @@ def test_redis_lost_serves_own_requests_locally_and_rejoins(pool, redis_server) 
     a.put_request(_request("after-2"))
     assert [r.request_id for r in b.get_requests(8, timeout=2)] == ["after-1", "after-2"]
     assert mine.request_id == "queued"
+
+
+def test_every_setting_is_in_the_multi_instance_page() -> None:
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[3] / "docs" / "multi-instance.md").read_text()
+    missing = [name for name in GlobalSchedulerSettings.model_fields if f"| `{name}` |" not in page]
+    assert not missing, f"docs/multi-instance.md lacks the settings {missing}"
