@@ -57,9 +57,9 @@ class _Server:
             time.sleep(0.3)
         raise RuntimeError("fd-serve did not start")
 
-    def round_trips(self) -> float:
+    def figure(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
-        match = re.search(r"^fd_scheduler_redis_round_trips_total (\S+)$", text, re.MULTILINE)
+        match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
         return float(match.group(1)) if match else 0.0
 
     def stop(self) -> None:
@@ -112,10 +112,15 @@ def main() -> None:
                     return summarize(results, duration)
 
                 run(workload[:4])   # warm-up
-                trips_before = sum(s.round_trips() for s in servers)
+                def totals() -> tuple[float, float]:
+                    return (sum(s.figure("fd_scheduler_redis_round_trips_total") for s in servers),
+                            sum(s.figure("fd_scheduler_served_for_peers_total") for s in servers))
+
+                trips_before, peers_before = totals()
                 summary = run(workload)
-                trips = sum(s.round_trips() for s in servers) - trips_before
-                summary["redis_round_trips_per_request"] = trips / max(1, summary["completed"])
+                trips_after, peers_after = totals()
+                summary["redis_round_trips_per_request"] = (trips_after - trips_before) / max(1, summary["completed"])
+                summary["served_by_a_peer"] = peers_after - peers_before
                 rows[name] = summary
     cpu = platform.processor() or "?"
     try:
@@ -125,11 +130,13 @@ def main() -> None:
         pass
     print(f"{args.model}: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
           f"max concurrency {args.max_concurrency}; CPU: {cpu}\n")
-    print("| setup | ok | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | Redis round trips / request |")
-    print("|---|---|---|---|---|---|---|")
+    print("| setup | ok | served by a peer | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+          "Redis round trips / request |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, s in rows.items():
-        print(f"| {name} | {s['completed']} | {s['output_throughput']:.1f} | {s['median_ttft_ms']:.0f} | "
-              f"{s['p99_ttft_ms']:.0f} | {s['median_tpot_ms']:.0f} | {s['redis_round_trips_per_request']:.1f} |")
+        print(f"| {name} | {s['completed']} | {s['served_by_a_peer']:.0f} | {s['output_throughput']:.1f} | "
+              f"{s['median_ttft_ms']:.0f} | {s['p99_ttft_ms']:.0f} | {s['median_tpot_ms']:.0f} | "
+              f"{s['redis_round_trips_per_request']:.1f} |")
     if args.json_out:
         args.json_out.write_text(json.dumps({"cpu": cpu, "args": {k: str(v) for k, v in vars(args).items()},
                                              "setups": rows}, indent=2))

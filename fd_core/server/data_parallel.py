@@ -7,20 +7,26 @@ ranks on N cores do not fight over them. The requests of one call (the ``n`` cho
 prompts) go to the rank with the fewest tokens in flight (prompt + ``max_tokens`` of each
 request placed there and not finished); its outputs come back on that rank's stream.
 
-A rank that dies fails its own requests at once (their streams raise EngineDeadError naming the
-rank and how it died); the others keep serving and ``/health`` says ``degraded``. Only when
-every rank is dead is the engine dead (the server then exits for its supervisor).
+A rank that dies does not lose its requests: each open stream is re-homed on the live rank with
+the fewest tokens in flight, its unfinished requests sent there as *continuations* (the output
+tokens the client already has are pre-filled; the new rank recomputes their KV and the token
+processor replays them silently), so the client's stream goes on with no duplicate and no gap.
+Only with no live rank left do they fail, naming the rank and how it died. The surviving ranks
+keep serving and ``/health`` says ``degraded``; when every rank is dead the engine is dead (the
+server then exits for its supervisor).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fd_core.errors import EngineDeadError
+from fd_core.request import RequestStatus
 from fd_core.server.engine_client import EngineClient, EngineStartError, EngineState
 
 if TYPE_CHECKING:
@@ -57,11 +63,14 @@ class DataParallelClient:
         self._on_finished = on_finished
         self._on_dead = on_dead
         self.ranks = [EngineClient(config, log_level=log_level, on_finished=self._finished,
-                                   on_dead=self._rank_died, name=f"data-parallel rank {rank}", cpus=shares[rank])
+                                   on_dead=self._rank_died, name=f"data-parallel rank {rank}", cpus=shares[rank],
+                                   rescue=self._rescue)
                       for rank in range(size)]
         self.cpu_shares = shares
-        self._load = [0] * size                     # tokens in flight per rank
-        self._placed: dict[str, tuple[int, int]] = {}  # request id -> (rank, tokens)
+        self._load = [0] * size                      # tokens in flight per rank
+        self._placed: dict[str, _Placed] = {}
+        #: Requests continued on another rank after theirs died (for /metrics).
+        self.num_rescued = 0
 
     # --- the EngineClient surface --------------------------------------------------------------
 
@@ -101,22 +110,19 @@ class DataParallelClient:
 
     async def add(self, requests: list[Request]) -> RequestStream:
         """Queue ``requests`` on the live rank with the fewest tokens in flight."""
-        live = [i for i, rank in enumerate(self.ranks) if rank.state is EngineState.READY]
-        if not live:
+        rank = self._least_loaded()
+        if rank is None:
             raise self._unavailable()
-        rank = min(live, key=lambda i: self._load[i])
-        tokens = [r.num_prompt_tokens + r.sampling_params.max_tokens for r in requests]
         stream = await self.ranks[rank].add(requests)
-        for request, n in zip(requests, tokens, strict=True):
-            self._placed[request.request_id] = (rank, n)
-            self._load[rank] += n
+        for request in requests:
+            self._place(request, rank)
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             placed = self._placed.get(request_id)
             if placed is not None:
-                self.ranks[placed[0]].abort([request_id])
+                self.ranks[placed.rank].abort([request_id])
 
     async def stats(self) -> dict[str, Any]:
         """The live ranks' EngineStats summed, with ``ranks``: each rank's own figures."""
@@ -126,6 +132,7 @@ class DataParallelClient:
         per_rank = await asyncio.gather(*(rank.stats() for rank in live))
         merged = _sum_stats(per_rank)
         by_rank = dict(zip((self.ranks.index(rank) for rank in live), per_rank, strict=True))
+        merged["num_rescued"] = self.num_rescued
         merged["ranks"] = [{"rank": i, "up": int(i in by_rank), "tokens_in_flight": self._load[i],
                             **({"kv": by_rank[i]["kv"], "generation_tokens": by_rank[i]["num_generated_tokens"]}
                                if i in by_rank else {})} for i in range(len(self.ranks))]
@@ -142,23 +149,65 @@ class DataParallelClient:
             return EngineDeadError("the engine is starting; retry shortly")
         return EngineDeadError(self.dead_reason or "the engine is stopped")
 
-    def _finished(self, output: RequestOutput) -> None:
-        placed = self._placed.pop(output.request_id, None)
+    def _least_loaded(self) -> int | None:
+        live = [i for i, rank in enumerate(self.ranks) if rank.state is EngineState.READY]
+        return min(live, key=lambda i: self._load[i]) if live else None
+
+    def _place(self, request: Request, rank: int) -> None:
+        placed = self._placed[request.request_id] = _Placed(
+            request, rank, request.num_prompt_tokens + request.sampling_params.max_tokens)
+        self._load[rank] += placed.tokens
+
+    def _unplace(self, request_id: str) -> None:
+        placed = self._placed.pop(request_id, None)
         if placed is not None:
-            self._load[placed[0]] -= placed[1]
+            self._load[placed.rank] -= placed.tokens
+
+    def _finished(self, output: RequestOutput) -> None:
+        self._unplace(output.request_id)
         if self._on_finished is not None:
             self._on_finished(output)
 
+    def _rescue(self, stream: RequestStream) -> bool:
+        """A rank died under ``stream``: continue its open requests on a live rank (True), if any."""
+        rank = self._least_loaded()
+        if rank is None:
+            return False
+        continuations = []
+        for request_id in sorted(stream.open_ids):
+            placed = self._placed.get(request_id)
+            if placed is None:
+                return False
+            original = placed.request
+            continuations.append(dataclasses.replace(
+                original, output_token_ids=list(stream.delivered[request_id]), status=RequestStatus.WAITING,
+                num_computed_tokens=0, num_cached_tokens=0))
+        for request in continuations:
+            self._unplace(request.request_id)
+            self._place(request, rank)
+        self.ranks[rank].adopt(stream, continuations)
+        self.num_rescued += len(continuations)
+        log.warning("continuing %d requests on data-parallel rank %d", len(continuations), rank)
+        return True
+
     def _rank_died(self, reason: str) -> None:
-        for request_id, (rank, n) in list(self._placed.items()):
-            if self.ranks[rank].state is EngineState.DEAD:
-                del self._placed[request_id]
-                self._load[rank] -= n
+        for request_id, placed in list(self._placed.items()):
+            if self.ranks[placed.rank].state is EngineState.DEAD:
+                self._unplace(request_id)
         if self.state is EngineState.DEAD:
             if self._on_dead is not None:
                 self._on_dead(self.dead_reason or reason)
         else:
             log.error("%s; the other data-parallel ranks keep serving", reason)
+
+
+@dataclasses.dataclass(slots=True)
+class _Placed:
+    """A request placed on a rank: the request as sent (to continue it elsewhere) and its tokens."""
+
+    request: Request
+    rank: int
+    tokens: int   # prompt + max_tokens: its share of the rank's load
 
 
 def _sum_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:

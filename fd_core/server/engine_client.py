@@ -67,16 +67,28 @@ class RequestStream:
 
     Iterate to get every delta of every request in arrival order; iteration ends after each
     request's final output and raises :class:`EngineDeadError` if the engine dies first.
-    :meth:`close` aborts the requests that have not finished.
+    :meth:`close` aborts the requests that have not finished. ``delivered`` holds the output
+    tokens passed on so far per unfinished request: what a continuation elsewhere starts from.
     """
 
     def __init__(self, client: EngineClient, request_ids: list[str]) -> None:
         self.request_ids = request_ids
+        self.delivered: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
         self._client = client
         self._queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
-        self._unfinished = set(request_ids)
+        self._unfinished = set(request_ids)   # final output not yet iterated
+        self._open = set(request_ids)         # final output not yet arrived
+
+    @property
+    def open_ids(self) -> set[str]:
+        """Ids whose final output has not arrived yet."""
+        return set(self._open)
 
     def _put(self, item: RequestOutput | EngineDeadError) -> None:
+        if not isinstance(item, EngineDeadError):
+            self.delivered[item.request_id] += item.new_token_ids
+            if item.finished:
+                self._open.discard(item.request_id)
         self._queue.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -102,12 +114,16 @@ class EngineClient:
     def __init__(self, config: FdConfig, *, log_level: str = "INFO",
                  on_finished: Callable[[RequestOutput], None] | None = None,
                  on_dead: Callable[[str], None] | None = None,
-                 name: str | None = None, cpus: list[int] | None = None) -> None:
+                 name: str | None = None, cpus: list[int] | None = None,
+                 rescue: Callable[[RequestStream], bool] | None = None) -> None:
         """``name`` prefixes every reason it gives (a data-parallel rank); ``cpus`` pins the
-        engine process to those CPUs (None: it runs where the front end may)."""
+        engine process to those CPUs (None: it runs where the front end may); ``rescue(stream)``
+        is offered each open stream when the engine dies while serving, and a stream it takes
+        (returns True) is not failed: it continues elsewhere (see :meth:`adopt`)."""
         self.config = config
         self.name = name
         self._cpus = cpus
+        self._rescue = rescue
         self.state = EngineState.STARTING
         self.dead_reason: str | None = None
         #: What the engine is doing while STARTING (its last STARTING message).
@@ -216,6 +232,30 @@ class EngineClient:
             stream.close()
             raise errors[0]
         return stream
+
+    def adopt(self, stream: RequestStream, requests: list[Request]) -> None:
+        """Continue another engine's ``stream`` here with ``requests`` (continuations of its
+        unfinished ones); a refusal fails the stream with the reason. Never blocks."""
+        self._check_alive()
+        stream._client = self
+        loop = asyncio.get_running_loop()
+        acks = []
+        for request in requests:
+            self._streams[request.request_id] = stream
+            self._acks[request.request_id] = ack = loop.create_future()
+            acks.append(ack)
+            self._outbox.put_nowait(wire.pack(wire.encode_request(request)))
+
+        async def settle() -> None:
+            results = await asyncio.gather(*acks, return_exceptions=True)
+            for request in requests:
+                self._acks.pop(request.request_id, None)
+            error = next((r for r in results if isinstance(r, BaseException)), None)
+            if error is not None:
+                stream._put(EngineDeadError(f"{self.name or 'the engine'} could not take the request over: {error}"))
+                stream.close()
+
+        self._tasks.append(asyncio.create_task(settle(), name="fd-adopt"))
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (their outputs are dropped); callable from synchronous code."""
@@ -347,9 +387,12 @@ class EngineClient:
         for future in [*self._acks.values(), *self._stats.values()]:
             if not future.done():
                 future.set_exception(error)
-        for stream in set(self._streams.values()):
-            stream._put(error)
+        streams = set(self._streams.values())
         self._streams.clear()
+        for stream in streams:
+            if self.state is EngineState.DEAD and self._rescue is not None and self._rescue(stream):
+                continue
+            stream._put(error)
 
 
 def _reject_error(kind: str, field: str | None, text: str) -> FdError:

@@ -59,6 +59,8 @@ class _EngineCollector(Collector):
         yield from _scheduler_metrics(stats.get("scheduler") or {})
         if "ranks" in stats:
             yield from _rank_metrics(stats["ranks"])
+            yield CounterMetricFamily("fd_dp_requests_continued", "Requests continued on another rank after "
+                                      "theirs died.", value=stats["num_rescued"])
 
 
 #: Scheduler figures that only grow (exported as counters; the others are gauges).

@@ -2,7 +2,8 @@
 
 Every message is one list whose first item is its kind. Front end -> engine (one PUSH/PULL pair)::
 
-    [ADD, request_id, prompt_token_ids, sampling_param_values, eos_token_ids, arrival_time, group_id]
+    [ADD, request_id, prompt_token_ids, sampling_param_values, eos_token_ids, arrival_time, group_id,
+     output_token_ids]                                 output tokens already delivered (a continuation)
     [ABORT, [request_id, ...]]
     [STATS, nonce]
     [SHUTDOWN]
@@ -68,14 +69,15 @@ def unpack(data: bytes) -> list[Any]:
 def encode_request(request: Request) -> list[Any]:
     params = request.sampling_params
     return [ADD, request.request_id, request.prompt_token_ids, [getattr(params, f) for f in _SAMPLING_FIELDS],
-            list(request.eos_token_ids), request.arrival_time, request.group_id]
+            list(request.eos_token_ids), request.arrival_time, request.group_id, request.output_token_ids]
 
 
 def decode_request(message: list[Any]) -> Request:
-    _, request_id, prompt_token_ids, values, eos_token_ids, arrival_time, group_id = message
+    _, request_id, prompt_token_ids, values, eos_token_ids, arrival_time, group_id, output_token_ids = message
     return Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                    sampling_params=SamplingParams(**dict(zip(_SAMPLING_FIELDS, values, strict=True))),
-                   eos_token_ids=tuple(eos_token_ids), arrival_time=arrival_time, group_id=group_id)
+                   eos_token_ids=tuple(eos_token_ids), arrival_time=arrival_time, group_id=group_id,
+                   output_token_ids=list(output_token_ids))
 
 
 def encode_output(o: RequestOutput) -> list[Any]:

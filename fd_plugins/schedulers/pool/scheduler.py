@@ -83,7 +83,7 @@ class GlobalScheduler(Scheduler):
                                 socket_timeout_s=settings.socket_timeout_s, result_block_s=RESULT_BLOCK_S)
         try:
             self._store.check()
-            self._store.heartbeat(lease_s=settings.lease_s, load=0, held={})
+            self._store.heartbeat(lease_s=settings.lease_s, held={})
         except RedisLost as exc:
             self._store.close()
             raise ConfigError("scheduler.options.url", str(exc)) from None
@@ -97,6 +97,7 @@ class GlobalScheduler(Scheduler):
         self._cancelled: list[str] = []
         self._results: deque[RequestOutput] = deque()
         self._queued_in_redis = 0                       # own queue length at the last heartbeat
+        self._own_queue_may_hold = True                 # False once a take found the own queue empty
         self._num_instances = 1
         self._degraded: str | None = None
         self._counters = dict.fromkeys(("served_for_peers", "taken_by_peers", "leases_expired", "reserved",
@@ -124,6 +125,7 @@ class GlobalScheduler(Scheduler):
         except RedisLost as exc:
             self._lose_redis(str(exc))   # the record is served locally from now on
         with self._lock:
+            self._own_queue_may_hold = True
             self._wakeup.notify_all()
 
     def get_results(self, timeout: float | None) -> list[RequestOutput]:
@@ -234,20 +236,26 @@ class GlobalScheduler(Scheduler):
     # --- internals --------------------------------------------------------------------------------
 
     def _take(self, max_num: int) -> list[Request]:
-        """Local queue first, then this instance's queue in Redis, then the busiest peer's."""
+        """Local queue first, then this instance's queue in Redis, then the busiest peer's.
+
+        The own queue is only asked while it may hold something (a put since it was last found
+        empty, or the heartbeat saw requests there: re-queued after a lease ran out).
+        """
         with self._lock:
             taken = [self._local.popleft() for _ in range(min(max_num, len(self._local)))]
             if self._degraded is not None or len(taken) == max_num:
                 return taken
+            ask_own, self._own_queue_may_hold = self._own_queue_may_hold, False
         settings = self.settings
+        want = max_num - len(taken)
         try:
-            rows = self._store.take(self.instance_id, max_num - len(taken), min_queued=1, lease_s=settings.lease_s)
+            rows = self._store.take(self.instance_id, want, min_queued=1, lease_s=settings.lease_s) if ask_own else []
+            if len(rows) == want:
+                with self._lock:
+                    self._own_queue_may_hold = True
             if not rows and not taken:
-                for peer in self._store.busiest_peers(settings.steal_min_queued):
-                    rows = self._store.take(peer, min(max_num, settings.steal_batch),
-                                            min_queued=settings.steal_min_queued, lease_s=settings.lease_s)
-                    if rows:
-                        break
+                rows = self._store.take("", min(want, settings.steal_batch), min_queued=settings.steal_min_queued,
+                                        lease_s=settings.lease_s)
         except RedisLost as exc:
             self._lose_redis(str(exc))
             return taken
@@ -344,11 +352,12 @@ class GlobalScheduler(Scheduler):
         settings = self.settings
         with self._lock:
             held = dict(self._held)
-            load = len(held) + sum(record.local for record in self._originated.values())
-        beat = self._store.heartbeat(lease_s=settings.lease_s, load=load, held=held)
+        beat = self._store.heartbeat(lease_s=settings.lease_s, held=held)
         reaped = self._store.reap()
         with self._lock:
             self._queued_in_redis = beat.queued
+            if beat.queued:
+                self._own_queue_may_hold = True
             self._num_instances = beat.num_instances
             self._counters["leases_expired"] += reaped.expired
             now = time.time()

@@ -21,7 +21,7 @@ class GlobalSchedulerSettings(BaseModel):
     steal_min_queued: int = Field(2, ge=1, description=(
         "Take work from a peer only when at least this many of its requests are queued."))
     steal_batch: int = Field(4, ge=1, description="Most requests taken from a peer at once.")
-    poll_s: float = Field(0.05, gt=0, description="While idle, how often peers' queues are looked at.")
+    poll_s: float = Field(0.1, gt=0, description="While idle, how often peers' queues are looked at.")
     ttl_s: float = Field(600.0, gt=0, description="Requests still queued after this long expire.")
     socket_timeout_s: float = Field(2.0, gt=0, description="A Redis call slower than this counts as Redis lost.")
 

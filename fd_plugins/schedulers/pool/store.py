@@ -4,7 +4,7 @@ Keys of a pool (``P`` = ``fd:{topic}``; the braces keep a pool's keys in one Red
 
     P:alive:<instance>   string, expires after lease_s     the instance is alive while it exists
     P:inst               zset instance -> last heartbeat   members of the pool (to find dead ones)
-    P:load               zset instance -> queued requests  where peers look for work
+    P:load               zset instance -> queued requests  where peers look for work (as of its heartbeat)
     P:q:<instance>       list of request ids               the instance's own queue (it originated them)
     P:r:<request id>     hash req, origin, holder, reserves   the request while it is queued or held
     P:t:<request id>     list of token ids                 output tokens already routed to the origin
@@ -38,6 +38,16 @@ _NOW_MS = "local t = redis.call('TIME'); local now = t[1] * 1000 + math.floor(t[
 _TAKE = _NOW_MS + """
 local p, owner, me, lease_ms, count, min_queued = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]),
     tonumber(ARGV[5]), tonumber(ARGV[6])
+if owner == '' then  -- steal: the busiest live peer with at least min_queued queued
+  for _, peer in ipairs(redis.call('ZREVRANGEBYSCORE', p .. ':load', '+inf', min_queued, 'LIMIT', 0, 4)) do
+    if peer ~= me and redis.call('EXISTS', p .. ':alive:' .. peer) == 1
+        and redis.call('LLEN', p .. ':q:' .. peer) >= min_queued then
+      owner = peer
+      break
+    end
+  end
+  if owner == '' then return {} end
+end
 local q = p .. ':q:' .. owner
 if redis.call('LLEN', q) < min_queued then return {} end
 local taken = {}
@@ -85,13 +95,13 @@ return fenced
 """
 
 _HEARTBEAT = _NOW_MS + """
-local p, me, lease_ms, load = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local p, me, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
 redis.call('SET', p .. ':alive:' .. me, '1', 'PX', lease_ms)
 redis.call('ZADD', p .. ':inst', now, me)
 local queued = redis.call('LLEN', p .. ':q:' .. me)
-redis.call('ZADD', p .. ':load', queued + load, me)
+redis.call('ZADD', p .. ':load', queued, me)
 local lost = {}
-for i = 5, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   local rid, origin = ARGV[i], ARGV[i + 1]
   local r = p .. ':r:' .. rid
   if redis.call('HGET', r, 'holder') == me and redis.call('EXISTS', p .. ':alive:' .. origin) == 1 then
@@ -231,7 +241,8 @@ class PoolStore:
         self._call(pipe.execute)
 
     def take(self, owner: str, count: int, *, min_queued: int, lease_s: float) -> list[Taken]:
-        """Take up to ``count`` requests from ``owner``'s queue if it holds at least ``min_queued``."""
+        """Take up to ``count`` requests from ``owner``'s queue if it holds at least ``min_queued``;
+        ``owner=""``: from the busiest live peer's (a steal), in the same round trip."""
         rows = self._call(self._take, args=[self.prefix, owner, self.instance_id, int(lease_s * 1000), count,
                                             min_queued])
         return [Taken(rid.decode(), payload, [int(t) for t in tokens], int(reserves), origin.decode())
@@ -245,9 +256,9 @@ class PoolStore:
                      *o.new_token_ids]
         return [rid.decode() for rid in self._call(self._push, args=args)]
 
-    def heartbeat(self, *, lease_s: float, load: int, held: dict[str, str]) -> Heartbeat:
-        """Stay alive, publish the load, renew the leases of ``held`` (request id -> origin)."""
-        args: list[Any] = [self.prefix, self.instance_id, int(lease_s * 1000), load]
+    def heartbeat(self, *, lease_s: float, held: dict[str, str]) -> Heartbeat:
+        """Stay alive, publish the own queue's length, renew the leases of ``held`` (id -> origin)."""
+        args: list[Any] = [self.prefix, self.instance_id, int(lease_s * 1000)]
         for request_id, origin in held.items():
             args += [request_id, origin]
         queued, num_instances, lost = self._call(self._heartbeat, args=args)
@@ -257,12 +268,6 @@ class PoolStore:
         """Queue again the requests whose lease ran out; drop what dead instances left."""
         expired, dropped, dead = self._call(self._reap, args=[self.prefix])
         return Reaped(int(expired), int(dropped), int(dead))
-
-    def busiest_peers(self, min_queued: int, limit: int = 4) -> list[str]:
-        """Peers with at least ``min_queued`` queued requests, busiest first (as of their heartbeat)."""
-        members = self._call(self._redis.zrevrangebyscore, self._key("load"), "+inf", min_queued,
-                             start=0, num=limit + 1)
-        return [m.decode() for m in members if m.decode() != self.instance_id][:limit]
 
     def withdraw(self, request_ids: list[str]) -> list[bool]:
         """Remove requests this instance originated from the pool; True for each one still queued.

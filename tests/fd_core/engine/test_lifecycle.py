@@ -192,7 +192,8 @@ def test_a_misbehaving_order_hook_is_reported_once_and_fifo_is_used(tiny_model_d
         finals |= _drain(engine)
     assert {k: v.finish_reason for k, v in finals.items()} == dict.fromkeys(
         ["r0", "r1", "r2", "later"], FinishReason.LENGTH)
-    reports = [r.getMessage() for r in caplog.records if "fd_order_waiting" in r.getMessage()]
+    reports = [r.getMessage() for r in caplog.records
+               if "fd_order_waiting" in r.getMessage() and r.name != "fd_core.registry"]  # not the typo plugin
     assert len(reports) == 1 and hook.calls >= 2
     assert "hook fd_order_waiting" in reports[0] and "the default was used" in reports[0]
 
@@ -217,7 +218,7 @@ def test_a_scheduler_that_always_fails_does_not_spin_the_loop(tiny_model_dir, ca
     assert not thread.is_alive()
     # backing off from 50 ms (doubling) allows about 5 tries in a second; a spinning loop makes thousands
     assert 1 <= calls["get_requests"] <= 10
-    assert len(caplog.records) <= 10
+    assert len([r for r in caplog.records if r.name == "fd_core.engine.core"]) <= 10
 
 
 class FailingFinishHook:
