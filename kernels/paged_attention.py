@@ -24,7 +24,7 @@ scores is mostly never computed (see :data:`PREFILL_CHUNK` for the measurement).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,6 +135,13 @@ def decode_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.T
     return paddle.matmul(probs, v).reshape([rows, num_heads, head_dim])
 
 
+def decode_attention_gathered(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, attn: object,
+                              scale: float) -> paddle.Tensor:
+    """:func:`decode_attention` on a step's metadata (its ``decode_index`` and ``decode_mask``):
+    the reference ``decode_attention`` kernel variant."""
+    return decode_attention(q, k_cache, v_cache, attn.decode_index, attn.decode_mask, scale)
+
+
 def prefill_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor,
                       index: paddle.Tensor, mask: paddle.Tensor, scale: float) -> paddle.Tensor:
     """Causal attention of one chunk's ``n`` queries: ``q [n, H, D]`` -> ``[n, H, D]``.
@@ -160,19 +167,18 @@ def prefill_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.
 
 
 def paged_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, *,
-                    num_decode: int, decode_index: paddle.Tensor | None,
-                    decode_mask: paddle.Tensor | None, prefill: Sequence[PrefillChunk],
-                    scale: float) -> paddle.Tensor:
+                    num_decode: int, decode: Callable[[paddle.Tensor], paddle.Tensor],
+                    prefill: Sequence[PrefillChunk], scale: float) -> paddle.Tensor:
     """Attention of a varlen batch ``q [T, H, D]`` whose first ``num_decode`` tokens are decode rows.
 
-    The remaining tokens are the :class:`PrefillChunk` rows, in order. ``scale`` multiplies
-    q (usually ``1 / sqrt(D)``; pass 1.0 when the model already scaled q). Returns ``[T, H, D]``.
+    ``decode(q[:num_decode])`` computes the decode rows (the chosen decode kernel, bound to this
+    layer's cache and the step's metadata). The remaining tokens are the :class:`PrefillChunk`
+    rows, in order. ``scale`` multiplies q (usually ``1 / sqrt(D)``; pass 1.0 when the model
+    already scaled q). Returns ``[T, H, D]``.
     """
     parts = []
     if num_decode:
-        assert decode_index is not None and decode_mask is not None
-        parts.append(decode_attention(q[:num_decode], k_cache, v_cache, decode_index,
-                                      decode_mask, scale))
+        parts.append(decode(q[:num_decode]))
     for chunk in prefill:
         parts.append(prefill_attention(q[chunk.begin:chunk.end], k_cache, v_cache,
                                        chunk.gather_index, chunk.mask, scale))

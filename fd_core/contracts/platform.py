@@ -35,6 +35,9 @@ PAGED_ATTENTION: Final = "paged_attention"
 FLOAT16: Final = "float16"
 #: Capability: Paddle's ``fused_rms_norm`` op is safe on this device (its CPU kernel needs AVX-512F).
 FUSED_RMS_NORM: Final = "fused_rms_norm"
+#: Capability: fd-engine's C++ host kernels (``fd_kernels/csrc``) may run on this device's tensors,
+#: built for the ISA features the platform also declares (``avx2``, ``fma``, ``avx512f``).
+CPP_KERNELS: Final = "cpp_kernels"
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,7 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     assert platform is not None, "resolve() instantiates the selected platform"
     worker_env = platform.worker_env()
     os.environ.update(worker_env)
+    report("choosing kernels (the C++ kernels are built on first use, then cached)")
     kernels = choose_kernels(platform, selection.platform_reason, worker_env)
 
     stage = f"loading the model {config.model.source!r}"

@@ -2,28 +2,33 @@
 
 This table is the one place where a kernel's requirements are written down. Each op lists its
 variants, most preferred first; a variant is usable when the platform declares every
-capability it requires, and each op's last variant requires nothing (the portable fallback), so
-selection always succeeds. Model code receives the chosen functions in a :class:`KernelSet`
-and never checks devices or catches kernel errors itself.
+capability it requires (and, for a variant with a ``prepare`` step such as building the C++
+kernels, when that step succeeds: else the next variant is used and the reason is shown), and
+each op's last variant requires nothing (the portable fallback), so selection always succeeds.
+Model code receives the chosen functions in a :class:`KernelSet` and never checks devices or
+catches kernel errors itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Final
 
-from fd_core.contracts.platform import FUSED_RMS_NORM
-from fd_kernels import rms_norm
+from fd_core.contracts.platform import CPP_KERNELS, FUSED_RMS_NORM
+from fd_kernels import native, paged_attention, rms_norm
 
 
 @dataclass(frozen=True, slots=True)
 class KernelVariant:
-    """One implementation of an op."""
+    """One implementation of an op: ``fn``, or what ``prepare(capabilities)`` returns (it raises
+    :class:`~fd_kernels.native.NativeKernelsUnavailable` saying why it cannot be used here)."""
 
     name: str                    # shown in the start-up line, e.g. "fused"
     requires: frozenset[str]     # capabilities the platform must declare
-    fn: Callable[..., Any]
+    fn: Callable[..., Any] | None
+    prepare: Callable[[frozenset[str]], Callable[..., Any]] | None = None
 
 
 #: op -> variants, most preferred first; the last one of each requires nothing.
@@ -32,35 +37,64 @@ KERNEL_VARIANTS: Final[dict[str, tuple[KernelVariant, ...]]] = {
         KernelVariant("fused", frozenset({FUSED_RMS_NORM}), rms_norm.rms_norm_fused),
         KernelVariant("portable", frozenset(), rms_norm.rms_norm_portable),
     ),
+    "decode_attention": (
+        KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_decode_attention),
+        KernelVariant("reference", frozenset(), paged_attention.decode_attention_gathered),
+    ),
 }
 
 
 @dataclass(frozen=True, slots=True)
 class KernelSet:
-    """The chosen variant of every op in :data:`KERNEL_VARIANTS`."""
+    """The chosen variant of every op in :data:`KERNEL_VARIANTS` (``fn`` set), and why better
+    variants were passed over."""
 
     chosen: dict[str, KernelVariant]
+    passed_over: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def rms_norm(self) -> Callable[..., Any]:
         """``(x, weight, eps, residual) -> (normed, residual stream)``; see ``fd_kernels.rms_norm``."""
         return self.chosen["rms_norm"].fn
 
+    @property
+    def decode_attention(self) -> Callable[..., Any]:
+        """``(q, k_cache, v_cache, attn, scale) -> out``: a step's decode rows; see ``fd_kernels``."""
+        return self.chosen["decode_attention"].fn
+
+    @property
+    def decode_gathers(self) -> bool:
+        """Whether the decode kernel reads the step's gather index and mask (else block tables)."""
+        return self.chosen["decode_attention"].fn is paged_attention.decode_attention_gathered
+
     def describe(self) -> str:
         """``rms_norm=portable (fused needs fused_rms_norm)``: each choice, and why not better."""
         parts = []
         for op, variant in self.chosen.items():
-            better = KERNEL_VARIANTS[op][: KERNEL_VARIANTS[op].index(variant)]
-            why = ", ".join(f"{v.name} needs {' '.join(sorted(v.requires))}" for v in better)
+            why = ", ".join(self.passed_over.get(op, []))
             parts.append(f"{op}={variant.name}" + (f" ({why})" if why else ""))
         return "; ".join(parts)
 
 
 def select_kernels(capabilities: Collection[str]) -> KernelSet:
-    """The most preferred variant of each op whose requirements ``capabilities`` meet."""
+    """The most preferred usable variant of each op (see the module docstring)."""
     declared = frozenset(capabilities)
-    return KernelSet({op: next(v for v in variants if v.requires <= declared)
-                      for op, variants in KERNEL_VARIANTS.items()})
+    chosen: dict[str, KernelVariant] = {}
+    passed_over: dict[str, list[str]] = {}
+    for op, variants in KERNEL_VARIANTS.items():
+        for variant in variants:
+            if not variant.requires <= declared:
+                passed_over.setdefault(op, []).append(f"{variant.name} needs {' '.join(sorted(variant.requires))}")
+                continue
+            if variant.prepare is not None:
+                try:
+                    variant = dataclasses.replace(variant, fn=variant.prepare(declared))
+                except native.NativeKernelsUnavailable as exc:
+                    passed_over.setdefault(op, []).append(f"{variant.name}: {exc}")
+                    continue
+            chosen[op] = variant
+            break
+    return KernelSet(chosen, passed_over)
 
 
 #: Every op's fallback: what a model built without a platform uses.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -138,6 +139,7 @@ class LlamaForCausalLM:
         sin = paddle.index_select(self.rope_sin, rope_positions).reshape([num_tokens, rope_heads, -1])
         x = F.embedding(input_ids, self.embed_tokens)
         residual = None
+        decode = self.kernels.decode_attention
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             h, residual = self._norm(x, layer.input_norm, residual)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias).reshape([num_tokens, -1, head_dim])
@@ -145,10 +147,9 @@ class LlamaForCausalLM:
             qk = qk * cos + paddle.roll(qk, head_dim // 2, axis=-1) * sin
             k, v = qk[:, heads:], qkv[:, rope_heads:]
             write_kv_cache(k, v, cache.key, cache.value, attn.write_index)
-            out = paged_attention(qk[:, :heads], cache.key, cache.value,
-                                  num_decode=attn.num_decode, decode_index=attn.decode_index,
-                                  decode_mask=attn.decode_mask, prefill=attn.prefill,
-                                  scale=1.0)
+            out = paged_attention(qk[:, :heads], cache.key, cache.value, num_decode=attn.num_decode,
+                                  decode=partial(decode, k_cache=cache.key, v_cache=cache.value, attn=attn, scale=1.0),
+                                  prefill=attn.prefill, scale=1.0)
             x = F.linear(out.reshape([num_tokens, heads * head_dim]), layer.o)
             h, residual = self._norm(x, layer.post_norm, residual)
             x = F.linear(F.swiglu(F.linear(h, layer.gate_up)), layer.down)

@@ -40,8 +40,10 @@ class AttentionMetadata:
     slot_mapping: np.ndarray             # int64 [T]: block * block_size + offset of each token
     sample_indices: paddle.Tensor        # int64 [S]: last token of each sampling row
     write_index: paddle.Tensor           # int64 [T * num_kv_heads]: see pa.write_index
-    decode_index: paddle.Tensor | None   # int64: pa.gather_index of the decode rows
-    decode_mask: paddle.Tensor | None    # [num_decode, num_heads, L] additive mask
+    decode_index: paddle.Tensor | None   # int64: pa.gather_index of the decode rows (gathering kernel)
+    decode_mask: paddle.Tensor | None    # [num_decode, num_heads, L] additive mask (gathering kernel)
+    decode_tables: paddle.Tensor | None  # int64 [num_decode, W]: the decode rows' block tables
+    decode_lens: paddle.Tensor | None    # int64 [num_decode]: their context lengths
     prefill: tuple[pa.PrefillChunk, ...]  # multi-token rows cut at pa.PREFILL_CHUNK, in token order
 
     def __repr__(self) -> str:
@@ -76,8 +78,11 @@ def _prefill_chunks(table: np.ndarray, begin: int, start: int, num_new: int, *, 
 
 def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: int,
                              num_blocks: int, num_heads: int, num_kv_heads: int,
-                             dtype: str = "float32") -> AttentionMetadata:
+                             dtype: str = "float32", gather_decode: bool = True) -> AttentionMetadata:
     """Build the metadata for ``rows``, already in :func:`order_rows` order.
+
+    The decode rows get block tables and context lengths (read in place by the C++ kernel) and,
+    with ``gather_decode``, the gather index and mask the reference kernel reads.
 
     Raises ``ValueError`` when a row has no new tokens, or its block table is too short for
     its context or names a block outside ``[0, num_blocks)`` (reading it would touch memory
@@ -109,13 +114,15 @@ def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: in
     samples = np.array([ends[i] - 1 for i, row in enumerate(rows) if row.sample], np.int64)
 
     num_decode = int(np.count_nonzero(new == 1))
-    decode_index = decode_mask = None
+    decode_index = decode_mask = decode_tables = decode_lens = None
     if num_decode:
         width = int(needed[:num_decode].max())
-        decode_index = paddle.to_tensor(pa.gather_index(tables[:num_decode, :width], num_kv_heads))
-        decode_mask = paddle.to_tensor(pa.decode_mask(context[:num_decode], width * block_size,
-                                                                     num_heads),
-                                       dtype=dtype)
+        decode_tables = paddle.to_tensor(np.ascontiguousarray(tables[:num_decode, :width]))
+        decode_lens = paddle.to_tensor(context[:num_decode])
+        if gather_decode:
+            decode_index = paddle.to_tensor(pa.gather_index(tables[:num_decode, :width], num_kv_heads))
+            decode_mask = paddle.to_tensor(pa.decode_mask(context[:num_decode], width * block_size, num_heads),
+                                           dtype=dtype)
     prefill = tuple(chunk for i in range(num_decode, len(rows))
                     for chunk in _prefill_chunks(tables[i], int(begins[i]), int(starts[i]),
                                                  int(new[i]), block_size=block_size,
@@ -126,5 +133,6 @@ def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: in
         positions=positions, slot_mapping=slot_mapping,
         sample_indices=paddle.to_tensor(samples),
         write_index=paddle.to_tensor(pa.write_index(slot_mapping, block_size, num_kv_heads)),
-        decode_index=decode_index, decode_mask=decode_mask, prefill=prefill,
+        decode_index=decode_index, decode_mask=decode_mask, decode_tables=decode_tables, decode_lens=decode_lens,
+        prefill=prefill,
     )

@@ -93,7 +93,7 @@ class ModelRunner:
                                         num_blocks=self.num_blocks,
                                         num_heads=self.arch.num_attention_heads,
                                         num_kv_heads=self.arch.num_key_value_heads,
-                                        dtype=self.dtype)
+                                        dtype=self.dtype, gather_decode=self.kernels.decode_gathers)
         token_ids = np.fromiter(
             (t for row in rows
              for t in row.request.token_slice(row.start, row.start + row.num_new_tokens)),

@@ -7,7 +7,7 @@ from typing import ClassVar, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fd_core.contracts.platform import FUSED_RMS_NORM, PAGED_ATTENTION, DetectResult, MemoryProfile, Platform
+from fd_core.contracts.platform import CPP_KERNELS, FUSED_RMS_NORM, PAGED_ATTENTION, DetectResult, MemoryProfile, Platform
 from fd_plugins.platforms import cpu_features
 
 #: Environment variables that size the thread pools of OpenMP, MKL and OpenBLAS.
@@ -40,14 +40,16 @@ def read_meminfo(path: str = "/proc/meminfo") -> MemoryProfile:
 
 
 def cpu_capabilities(features: cpu_features.CpuFeatures, kernels: str) -> frozenset[str]:
-    """What the cpu platform declares: its ISA features, and the Paddle kernels they make safe.
+    """What the cpu platform declares: its ISA features, and the kernels they make safe.
 
     Paddle's CPU ``fused_rms_norm`` runs AVX-512 code without checking the CPU (SIGILL on
-    AVX2-only machines), so it is declared only where ``avx512f`` is present.
+    AVX2-only machines), so it is declared only where ``avx512f`` is present. fd-engine's C++
+    kernels (built for exactly the declared ISA features) run on host tensors on every CPU;
+    ``kernels = "portable"`` declares neither (plain Paddle ops only).
     """
     if kernels == "portable":
         return frozenset({PAGED_ATTENTION})
-    declared = {PAGED_ATTENTION, *features.present}
+    declared = {PAGED_ATTENTION, CPP_KERNELS, *features.present}
     if "avx512f" in features.present:
         declared.add(FUSED_RMS_NORM)
     return frozenset(declared)

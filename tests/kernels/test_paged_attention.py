@@ -122,11 +122,13 @@ def test_mixed_batch_splits_decode_and_prefill_rows() -> None:
         begin=2, end=6,
         gather_index=paddle.to_tensor(pa.gather_index(np.array([[21, 10, 15]]), KV_HEADS)),
         mask=paddle.to_tensor(pa.prefill_mask(7, 4, 12)))
+    decode_index = paddle.to_tensor(pa.gather_index(np.array([[4, 17, 0], [2, 12, 6]]), KV_HEADS))
+    decode_mask = paddle.to_tensor(pa.decode_mask(np.array([6, 9]), 12, HEADS))
+    scale = 1 / np.sqrt(HEAD_DIM)
     out = pa.paged_attention(
         paddle.to_tensor(q), cache.k, cache.v, num_decode=2,
-        decode_index=paddle.to_tensor(pa.gather_index(np.array([[4, 17, 0], [2, 12, 6]]), KV_HEADS)),
-        decode_mask=paddle.to_tensor(pa.decode_mask(np.array([6, 9]), 12, HEADS)),
-        prefill=[chunk], scale=1 / np.sqrt(HEAD_DIM)).numpy()
+        decode=lambda qd: pa.decode_attention(qd, cache.k, cache.v, decode_index, decode_mask, scale),
+        prefill=[chunk], scale=scale).numpy()
     np.testing.assert_allclose(out[0], _reference(q[0:1], *cache.kv["d1"], 5)[0], atol=1e-5)
     np.testing.assert_allclose(out[1], _reference(q[1:2], *cache.kv["d2"], 8)[0], atol=1e-5)
     np.testing.assert_allclose(out[2:], _reference(q[2:], *cache.kv["p"], 7), atol=1e-5)

@@ -15,8 +15,10 @@ from fd_core.engine.builder import (
     plan_kv_pool,
 )
 from fd_core.errors import ConfigError
+from fd_core.model.kernels import PORTABLE_KERNELS
 from fd_core.model.arch import LlamaArchConfig
 from fd_core.runner.kv_cache import kv_cache_bytes_per_block
+from fd_kernels import native
 from fd_plugins.platforms import cpu_features
 from fd_plugins.platforms.cpu import CpuPlatform, CpuSettings
 from fd_plugins.platforms.cpu_features import ISA_FEATURES, CpuFeatures
@@ -63,9 +65,19 @@ def test_too_little_memory_names_the_key():
                      max_model_len=65536, weights_bytes=0)
 
 
+@pytest.fixture
+def faked_cpu_builds_nothing(monkeypatch):
+    """A faked CPU must not build (or load into this process) C++ kernels for an ISA it lacks."""
+    def refuse(capabilities):
+        raise native.NativeKernelsUnavailable("not built for a faked CPU")
+
+    monkeypatch.setattr(native, "load_native", refuse)
+
+
 @pytest.mark.parametrize(("present", "chosen"), [({"avx2", "fma"}, "rms_norm=portable"),
                                                  ({"avx2", "fma", "avx512f"}, "rms_norm=fused")])
-def test_start_up_line_shows_the_kernels_the_probed_cpu_allows(monkeypatch, caplog, present, chosen):
+def test_start_up_line_shows_the_kernels_the_probed_cpu_allows(monkeypatch, caplog, present, chosen,
+                                                               faked_cpu_builds_nothing):
     """The ISA probe faked both ways: the capability decides, and the one start-up line says so."""
     features = CpuFeatures("Faked CPU 9000", frozenset(present), "/proc/cpuinfo")
     monkeypatch.setattr(cpu_features, "probe_cpu_features", lambda: features)
@@ -84,7 +96,7 @@ def test_forced_portable_kernels_on_an_avx512_cpu(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="fd_core.engine.builder"):
         platform = CpuPlatform(CpuSettings(kernels="portable"))
         kernels = choose_kernels(platform, "explicit", platform.worker_env())
-    assert kernels.describe() == "rms_norm=portable (fused needs fused_rms_norm)"
+    assert kernels.describe() == PORTABLE_KERNELS.describe()
     assert "capabilities: paged_attention;" in caplog.records[0].getMessage()
 
 
@@ -137,5 +149,6 @@ def test_progress_names_each_heavy_stage_before_it_runs(tiny_model_dir, caplog):
     assert f"loading the model {tiny_model_dir!r}" in messages
     mib = 64 * kv_cache_bytes_per_block(engine.runner.arch, 16) >> 20
     assert f"KV pool: 64 blocks of 16 tokens, {mib} MiB (cache.num_blocks)" in messages
-    assert stages[0] == f"loading the model {tiny_model_dir!r}"
+    assert stages[0].startswith("choosing kernels (the C++ kernels are built on first use")
+    assert stages[1] == f"loading the model {tiny_model_dir!r}"
     assert stages[-1].startswith("warm-up forward pass (kernels: rms_norm=")
