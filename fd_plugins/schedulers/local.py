@@ -83,11 +83,7 @@ class LocalScheduler(Scheduler):
 
     def get_results(self, timeout: float | None) -> list[RequestOutput]:
         with self._lock:
-            if not self._results and timeout != 0:
-                self._has_results.wait(timeout)
-            taken = list(self._results)
-            self._results.clear()
-            return taken
+            return drain_results(self._results, self._has_results, timeout)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -143,6 +139,16 @@ class LocalScheduler(Scheduler):
             request_id=request.request_id, finished=True, finish_reason=reason, error=error,
             num_prompt_tokens=request.num_prompt_tokens))
         self._has_results.notify_all()
+
+
+def drain_results(results: deque[RequestOutput], has_results: threading.Condition,
+                  timeout: float | None) -> list[RequestOutput]:
+    """Every queued output, oldest first, waiting up to ``timeout`` for one (``has_results``' lock held)."""
+    if not results and timeout != 0:
+        has_results.wait(timeout)
+    taken = list(results)
+    results.clear()
+    return taken
 
 
 def fair_fifo(waiting: list[Request]) -> list[Request]:

@@ -46,6 +46,7 @@ from fd_core.errors import ConfigError, QueueFullError
 from fd_core.outputs import RequestOutput
 from fd_core.request import FinishReason, Request
 from fd_core.server import wire
+from fd_plugins.schedulers.local import drain_results
 from fd_plugins.schedulers.pool.settings import GlobalSchedulerSettings
 from fd_plugins.schedulers.pool.store import Outgoing, PoolStore, RedisLost, Taken
 
@@ -130,11 +131,7 @@ class GlobalScheduler(Scheduler):
 
     def get_results(self, timeout: float | None) -> list[RequestOutput]:
         with self._lock:
-            if not self._results and timeout != 0:
-                self._has_results.wait(timeout)
-            taken = list(self._results)
-            self._results.clear()
-            return taken
+            return drain_results(self._results, self._has_results, timeout)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
