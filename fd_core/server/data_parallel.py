@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fd_core.errors import EngineDeadError
+from fd_core.errors import EngineDeadError, RequestError
 from fd_core.request import RequestStatus
 from fd_core.server.engine_client import EngineClient, EngineStartError, EngineState
 
@@ -113,10 +113,17 @@ class DataParallelClient:
         rank = self._least_loaded()
         if rank is None:
             raise self._unavailable()
-        stream = await self.ranks[rank].add(requests)
-        for request in requests:
+        in_use = next((r.request_id for r in requests if r.request_id in self._placed), None)
+        if in_use is not None:
+            raise RequestError("request_id", f"request id {in_use!r} is already in use by a live request")
+        for request in requests:   # counted before the await: concurrent calls see this load
             self._place(request, rank)
-        return stream
+        try:
+            return await self.ranks[rank].add(requests)
+        except BaseException:
+            for request in requests:
+                self._unplace(request.request_id)
+            raise
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
