@@ -40,8 +40,8 @@ class NativeKernelsUnavailable(Exception):
 def isa_flags(capabilities: Collection[str]) -> tuple[str, ...]:
     """Compiler flags for the declared ISA features (baseline x86-64 when none)."""
     declared = set(capabilities)
-    if {"avx512f", "avx2", "fma"} <= declared:
-        return ("-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl")
+    if {"avx512f", "avx2", "fma"} <= declared:   # only F: the probe does not declare dq/bw/vl
+        return ("-mavx2", "-mfma", "-mavx512f")
     if {"avx2", "fma"} <= declared:
         return ("-mavx2", "-mfma")
     return ()
