@@ -124,6 +124,29 @@ class PlatformSection(SeamSection):
     name: str = Field("auto", description="'auto' picks the available platform of highest priority.")
 
 
+class SplitwiseSection(_Section):
+    """Prefill/decode disaggregation: this instance's role and the hand-off's time limits."""
+
+    role: Literal["mixed", "prefill", "decode"] = Field("mixed", description=(
+        "mixed: computes whole requests; prefill: computes prompts' KV and first tokens for decode "
+        "instances; decode: takes requests, has the prompt computed by a prefill instance and decodes. "
+        "prefill and decode need scheduler 'splitwise' and a connector."))
+    heartbeat_s: float = Field(0.5, gt=0, description=(
+        "How often each side of an open hand-off tells the other it is still there."))
+    stall_timeout_s: float = Field(10.0, gt=0, description=(
+        "A hand-off that hears nothing from the other side for this long is given up and both sides free "
+        "its blocks; must be at least 2 x heartbeat_s."))
+    max_prefill_attempts: int = Field(3, gt=0, description=(
+        "Prefill instances a decode instance tries for one request before it answers with an error."))
+
+    @model_validator(mode="after")
+    def _timeout_covers_heartbeats(self) -> SplitwiseSection:
+        if self.stall_timeout_s < 2 * self.heartbeat_s:
+            raise ValueError(f"stall_timeout_s ({self.stall_timeout_s}) must be at least 2 x heartbeat_s "
+                             f"({self.heartbeat_s})")
+        return self
+
+
 class ParallelSection(_Section):
     """Parallelism: data-parallel ranks behind one fd-serve; tensor parallelism does not run yet."""
 
@@ -208,6 +231,7 @@ class FdConfig(BaseSettings):
     resource_manager: ResourceManagerSection = ResourceManagerSection()
     token_processor: TokenProcessorSection = TokenProcessorSection()
     connector: ConnectorSection = ConnectorSection()
+    splitwise: SplitwiseSection = SplitwiseSection()
     platform: PlatformSection = PlatformSection()
     parallel: ParallelSection = ParallelSection()
     server: ServerSection = ServerSection()

@@ -81,19 +81,27 @@ async def health(request: Request) -> JSONResponse:
     """200 when the engine serves; 503 while starting, draining or after it died.
 
     ``degraded`` (still 200: it serves what reaches it) when the scheduler says so, e.g. the
-    global scheduler lost its Redis. Once the engine is up the body also names its kernels and
-    how long its warm-up took.
+    global scheduler lost its Redis. The body names the instance's ``role`` (``splitwise.role``);
+    while it serves, its ``load`` (requests running, waiting, HTTP requests in flight, free KV
+    blocks: what a router balances by); once the engine is up, its kernels and warm-up time.
     """
     state = _state(request)
     status, reason = state.status()
+    body: dict[str, Any] = {"status": status, "reason": reason, "role": state.config.splitwise.role}
     if status == "ok":
         try:
-            degraded = ((await state.client.stats()).get("scheduler") or {}).get("degraded_reason")
+            stats = await state.client.stats()
         except (FdError, asyncio.TimeoutError):
-            degraded = None   # the engine's own state above is what counts then
+            stats = {}   # the engine's own state above is what counts then
+        degraded = (stats.get("scheduler") or {}).get("degraded_reason")
         if degraded:
             status, reason = "degraded", degraded
-    body: dict[str, Any] = {"status": status, "reason": reason}
+            body.update(status=status, reason=reason)
+        if stats:
+            kv = stats["kv"]
+            body["load"] = {"running": kv["num_running"], "waiting": kv["num_waiting"] + stats["num_waiting_in_scheduler"],
+                            "in_flight": state.in_flight, "free_blocks": kv["num_free_blocks"],
+                            "num_blocks": kv["num_blocks"]}
     info = state.client.info
     if info:
         body["engine"] = {"kernels": info.get("kernels"), "warm_up_s": info.get("warm_up_s")}
