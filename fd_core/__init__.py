@@ -36,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     "KVStats": "fd_core.contracts.resource_manager",
     "TokenProcessor": "fd_core.contracts.token_processor",
     "Connector": "fd_core.contracts.connector",
-    "KVTransfer": "fd_core.contracts.connector",
+    "Delivery": "fd_core.contracts.connector",
     "Platform": "fd_core.contracts.platform",
     "DetectResult": "fd_core.contracts.platform",
     "MemoryProfile": "fd_core.contracts.platform",
@@ -71,7 +71,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig, load_config
-    from fd_core.contracts.connector import Connector, KVTransfer
+    from fd_core.contracts.connector import Connector, Delivery
     from fd_core.contracts.platform import DetectResult, MemoryProfile, Platform
     from fd_core.contracts.resource_manager import KVLimits, KVStats, ResourceManager
     from fd_core.contracts.scheduler import Scheduler

@@ -85,14 +85,18 @@ def _winner_key(record: PluginRecord) -> tuple[int, str, str]:
 
 def _check_version(record: PluginRecord, obj: Any) -> None:
     declared = getattr(obj, "fd_hookspec_version", None)
-    if declared != hookspecs.FD_HOOKSPEC_VERSION:
-        what = "declares no fd_hookspec_version" if declared is None else (
-            f"was written for hookspec version {declared!r}")
-        raise PluginVersionError(
-            record.label,
-            f"{what}; this core speaks version {hookspecs.FD_HOOKSPEC_VERSION} "
-            f"(set fd_hookspec_version = {hookspecs.FD_HOOKSPEC_VERSION} once the plugin is ported)",
-        )
+    current = hookspecs.FD_HOOKSPEC_VERSION
+    oldest = hookspecs.OLDEST_COMPATIBLE[record.seam]
+    if isinstance(declared, int) and not isinstance(declared, bool) and oldest <= declared <= current:
+        return
+    what = "declares no fd_hookspec_version" if declared is None else (
+        f"was written for hookspec version {declared!r}")
+    speaks = f"version {current}" if oldest == current else f"versions {oldest} to {current}"
+    raise PluginVersionError(
+        record.label,
+        f"{what}; this core speaks {speaks} for {record.seam} plugins "
+        f"(set fd_hookspec_version = {current} once the plugin is ported)",
+    )
 
 
 def _check_contract(record: PluginRecord, obj: Any) -> None:

@@ -96,6 +96,7 @@ def resolve(config: FdConfig, registry: Registry | None = None, *, apply_worker_
     problems += _check_parallel(config)
     if "platform" in selection.plugins:
         problems += _check_dtype(config, selection)
+    problems += _check_splitwise(config, selection)
     if "resource_manager" in selection.plugins:
         problems += _resolve_prefix_caching(config, selection)
     if problems:
@@ -193,15 +194,50 @@ def _check_dtype(config: FdConfig, selection: Selection) -> Problems:
                             f"it supports {list(supported)}{_from_env(config, 'model.dtype')}")]
 
 
+def _check_splitwise(config: FdConfig, selection: Selection) -> Problems:
+    """A prefill or decode instance needs a connector, a scheduler with a peer directory and
+    one engine; a decode instance a resource manager that reserves; a mixed one no connector."""
+    from fd_core.contracts.scheduler import PeerDirectory
+
+    role = config.splitwise.role
+    origin = _from_env(config, "splitwise.role")
+    connector = config.connector.name
+    if role == "mixed":
+        if connector == NO_CONNECTOR:
+            return []
+        return [("connector.name", f"{connector!r} is selected, but splitwise.role is 'mixed'{origin}: only prefill "
+                                   f"and decode instances use a connector; set splitwise.role or connector.name = "
+                                   f"{NO_CONNECTOR!r}")]
+    problems: Problems = []
+    if connector == NO_CONNECTOR:
+        available = ", ".join(selection.registry.names("connector")) or "none installed"
+        problems.append(("connector.name", f"splitwise.role is {role!r}{origin}, which needs a connector to reach "
+                                           f"its peers; choose one of: {available}"))
+    scheduler = selection.plugins.get("scheduler")
+    if scheduler is not None and not issubclass(scheduler.cls, PeerDirectory):
+        problems.append(("scheduler.name", f"{scheduler.name!r} cannot pair prefill and decode instances (it is not a "
+                                           f"PeerDirectory); splitwise.role {role!r} needs scheduler 'splitwise'"))
+    manager = selection.plugins.get("resource_manager")
+    if role == "decode" and manager is not None and not manager.cls.supports_reserve:
+        problems.append(("resource_manager.name", f"{manager.name!r} cannot reserve blocks for KV computed elsewhere, "
+                                                  "which a decode instance needs; use v1 or v0"))
+    if config.parallel.data_parallel_size > 1:
+        problems.append(("parallel.data_parallel_size", f"a {role} instance runs one engine; start one fd-serve per "
+                                                        "instance instead"))
+    return problems
+
+
 def _resolve_prefix_caching(config: FdConfig, selection: Selection) -> Problems:
-    """Set ``selection.enable_prefix_caching``: the key's value, or when unset what the manager supports."""
+    """Set ``selection.enable_prefix_caching``: the key's value, or when unset what the manager
+    supports (never on a decode instance)."""
     selected = selection["resource_manager"]
-    supported = selected.cls.supports_prefix_caching
+    supported = selected.cls.supports_prefix_caching and config.splitwise.role != "decode"
     wanted = config.cache.enable_prefix_caching
     if wanted and not supported:
         origin = _from_env(config, "cache.enable_prefix_caching")
-        return [("cache.enable_prefix_caching", f"resource manager {selected.name!r} has no prefix cache; "
-                                                f"set it to false or leave it unset{origin}")]
+        why = ("a decode instance cannot cache prefixes (prefill instances fill its prompt blocks)"
+               if config.splitwise.role == "decode" else f"resource manager {selected.name!r} has no prefix cache")
+        return [("cache.enable_prefix_caching", f"{why}; set it to false or leave it unset{origin}")]
     selection.enable_prefix_caching = supported if wanted is None else wanted
     return []
 

@@ -67,6 +67,9 @@ class ResourceManager(SeamPlugin, ABC):
     #: Whether it reuses blocks of shared prompt prefixes; ``cache.enable_prefix_caching = true``
     #: with a manager that does not is a config error, and unset means this value.
     supports_prefix_caching: ClassVar[bool] = False
+    #: Whether it implements :meth:`reserve`, which a decode instance (``splitwise.role =
+    #: "decode"``) needs; selecting one that does not for that role is a config error.
+    supports_reserve: ClassVar[bool] = False
 
     def __init__(self, settings: BaseModel | None, *, limits: KVLimits, hooks: Any) -> None:
         """``hooks`` is the pluggy relay (``fd_select_preemption_victim``, ``fd_prefill_chunk_size``)."""
@@ -81,6 +84,19 @@ class ResourceManager(SeamPlugin, ABC):
     @abstractmethod
     def add_request(self, request: Request) -> None:
         """Accept a validated request into the waiting queue."""
+
+    def reserve(self, request: Request) -> list[int] | None:
+        """Take blocks for the whole prompt of a validated ``request`` whose prompt KV will be
+        written into them by another instance (decode role; added in hookspec version 3).
+
+        Returns the block ids in position order, or None when there is no room now (free blocks
+        or ``max_num_seqs``), taking nothing. A reserved request counts as running with its prompt
+        computed (``num_computed_tokens = num_prompt_tokens``) and is never planned until it has
+        an output token (the first token, from the prefill side); from then on it decodes like any
+        other. ``finish_requests`` frees it like any other; it may be preempted, and then
+        recomputes its prompt here.
+        """
+        raise NotImplementedError(f"resource manager {self.name!r} cannot reserve blocks for a decode instance")
 
     @abstractmethod
     def schedule(self) -> StepPlan:

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fd_core.contracts._base import SeamPlugin
@@ -87,3 +88,37 @@ class Scheduler(SeamPlugin, ABC):
 
     def close(self) -> None:
         """Release connections and threads; called once at shutdown."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """One instance of a prefill/decode deployment, as published in the peer directory."""
+
+    instance_id: str
+    role: str             # "prefill" or "decode"
+    address: str          # its connector's address (Connector.start)
+    connector: str        # its connector's name: only instances with the same connector pair
+    host: str             # the host it runs on (boot id), for same-host connectors
+    layout: str           # its KV layout (model, layers, heads, block size, dtype): only equal ones pair
+    load: int = 0         # prompt tokens it has queued or computing (prefill role)
+
+
+class PeerDirectory(ABC):
+    """A scheduler that also lets prefill and decode instances find each other by load.
+
+    ``splitwise.role = "prefill"`` or ``"decode"`` needs a scheduler with this interface (the
+    built-in ``splitwise`` scheduler keeps the directory in Redis); every method is thread-safe
+    and must not block the engine loop for long (cache what a remote store answers).
+    """
+
+    @abstractmethod
+    def join(self, me: PeerInfo) -> None:
+        """Publish this instance until :meth:`Scheduler.close`; called once, once it can serve."""
+
+    @abstractmethod
+    def report_load(self, load: int) -> None:
+        """This instance's current load, published with its next heartbeat."""
+
+    @abstractmethod
+    def peers(self, role: str) -> list[PeerInfo]:
+        """Live instances of ``role`` (not this one), least loaded first."""

@@ -5,7 +5,8 @@ validated first (cheap, no device work); then the platform's worker environment 
 the kernels are chosen from its declared capabilities (logged once, in one line), the model is
 loaded, the KV pool is sized from the platform's memory profile (or ``cache.num_blocks``), the
 runner warms up (a short prefill and a decode step through the chosen kernels), and only then
-are the seam plugins instantiated.
+are the seam plugins instantiated; last, a prefill or decode instance starts its part in
+hand-offs (binds its connector and publishes itself in the peer directory).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     from fd_core.engine.core import EngineCore
     from fd_core.model.loader import load_model
     from fd_core.selection import resolve
+    from fd_core.splitwise.setup import build_handoff
 
     report = progress or (lambda stage: None)
 
@@ -105,9 +107,14 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     scheduler = selection["scheduler"].create(hooks=hooks, max_queue_size=config.server.max_queue_size)
     token_processor = selection["token_processor"].create(
         tokenizer=loaded.tokenizer, max_model_len=max_model_len)
-    return EngineCore(scheduler=scheduler, resource_manager=resource_manager, token_processor=token_processor,
+    model_name = config.model.served_name or config.model.source
+    handoff = build_handoff(config, selection, scheduler=scheduler, resource_manager=resource_manager,
+                            runner=runner, model_name=model_name)
+    core = EngineCore(scheduler=scheduler, resource_manager=resource_manager, token_processor=token_processor,
                       runner=runner, limits=limits, hooks=hooks, tokenizer=loaded.tokenizer,
-                      model_name=config.model.served_name or config.model.source, config=config)
+                      model_name=model_name, config=config, handoff=handoff)
+    handoff.start(core.wake)
+    return core
 
 
 def choose_kernels(platform: Platform, platform_reason: str, worker_env: dict[str, str]) -> KernelSet:

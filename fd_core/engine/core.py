@@ -40,16 +40,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from fd_core.errors import PluginError, QueueFullError, RequestError
-from fd_core.outputs import RequestMetrics, RequestOutput, StepResult
+from fd_core.outputs import RequestMetrics, RequestOutput, ScheduledRequest, StepPlan, StepResult
 from fd_core.plugin_guard import FailureReporter, plugin_label
 from fd_core.request import FinishReason, Request, RequestStatus
+from fd_core.splitwise.roles import MIXED, EngineHandoff
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
     from fd_core.contracts.resource_manager import KVLimits, KVStats, ResourceManager
     from fd_core.contracts.scheduler import Scheduler
     from fd_core.contracts.token_processor import TokenProcessor
-    from fd_core.outputs import StepPlan
+    from fd_core.outputs import SampledToken
     from fd_core.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class EngineStats:
     num_prompt_tokens: int          # computed prompt tokens (excluding prefix-cache hits)
     num_generated_tokens: int
     scheduler: dict[str, Any]       # the scheduler's own figures (Scheduler.stats), now
+    splitwise: dict[str, Any]       # the hand-off's counters (prefill and decode instances)
 
 
 class EngineCore:
@@ -78,7 +80,9 @@ class EngineCore:
 
     def __init__(self, *, scheduler: Scheduler, resource_manager: ResourceManager,
                  token_processor: TokenProcessor, runner: ModelRunner | Any, limits: KVLimits,
-                 hooks: Any, tokenizer: Any, model_name: str, config: FdConfig | None = None) -> None:
+                 hooks: Any, tokenizer: Any, model_name: str, config: FdConfig | None = None,
+                 handoff: EngineHandoff = MIXED) -> None:
+        """``handoff``: this instance's part in prefill/decode hand-offs (``fd_core.splitwise``)."""
         self.config = config
         self.scheduler = scheduler
         self.resource_manager = resource_manager
@@ -88,10 +92,14 @@ class EngineCore:
         self.hooks = hooks
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.handoff = handoff
         self._aborts: deque[str] = deque()       # ids queued by other threads
         self._in_engine: dict[str, Request] = {} # left the scheduler, not ended (engine thread only)
         self._live: set[str] = set()             # accepted, final output not yet taken (any thread)
         self._live_lock = threading.Lock()
+        self._unrouted: set[str] = set()         # computed for another instance: outputs go nowhere
+        self._idle = True                        # the last step had nothing to do
+        self._wakeup = threading.Event()         # set by wake(): an idle loop with no room waits on it
         self._failures = FailureReporter()
         self._num_steps = 0
         self._num_prompt_tokens = 0
@@ -157,7 +165,7 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         """Ask the loop to abort a request; its blocks are freed at the start of the next step."""
         self._aborts.append(request_id)
-        self.scheduler.wake()
+        self.wake()
 
     def get_results(self, timeout: float | None) -> list[RequestOutput]:
         """Outputs routed back to this origin (see Scheduler.get_results); a final one frees its id."""
@@ -169,7 +177,8 @@ class EngineCore:
         return outputs
 
     def wake(self) -> None:
-        """Make an idle :meth:`run` re-check its stop event."""
+        """Make an idle :meth:`run` look for work again (and re-check its stop event)."""
+        self._wakeup.set()
         self.scheduler.wake()
 
     # --- the loop (engine thread only) ---------------------------------------------------------
@@ -181,14 +190,13 @@ class EngineCore:
         try:
             while not stop.is_set():
                 try:
-                    if not self.resource_manager.has_unfinished() and not self._aborts:
-                        # idle: block until a request arrives or wake() is called
-                        self._admit(self.scheduler.get_requests(self._room(), timeout=None))
+                    if self._idle and not self._aborts and not self.handoff.has_events():
+                        self._wait_for_work()
                     self.step()
                     backoff = 0.0
                 except Exception:  # a plugin bug must not strand clients: fail what is in flight
                     log.exception("engine step failed; failing %d in-flight requests", len(self._in_engine))
-                    self.scheduler.put_results(self.fail_in_flight("engine step failed; see the server log"))
+                    self._route(self.fail_in_flight("engine step failed; see the server log"))
                     # a plugin that fails on every call must not make this loop spin
                     low, high = FAILURE_BACKOFF_S
                     backoff = min(high, max(low, 2 * backoff))
@@ -199,13 +207,15 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns (and routes) the outputs it produced."""
         outputs = self._apply_aborts()
+        outputs += self._apply_handoff()
         self._admit(self.scheduler.get_requests(self._room(), timeout=0))
         plan = self.resource_manager.schedule()
+        self.handoff.planned(plan)
         if not plan.is_empty:
             outputs.extend(self._execute(plan))
+        self._idle = plan.is_empty and not outputs
         self._stats = self._collect_stats()
-        self.scheduler.put_results(outputs)
-        return outputs
+        return self._route(outputs)
 
     def has_unfinished(self) -> bool:
         """True while any request is queued, waiting or running."""
@@ -216,7 +226,8 @@ class EngineCore:
         return dataclasses.replace(self._stats, scheduler=self._scheduler_stats())
 
     def close(self) -> None:
-        """Release the seams' connections and threads (the scheduler's); once, after :meth:`run`."""
+        """Release the seams' connections and threads (hand-off, scheduler); once, after :meth:`run`."""
+        self._tell(self.handoff, "close")
         self._tell(self.scheduler, "close")
 
     def fail_in_flight(self, error: str) -> list[RequestOutput]:
@@ -227,7 +238,7 @@ class EngineCore:
 
     def _collect_stats(self) -> EngineStats:
         return EngineStats(self.resource_manager.stats(), self.scheduler.num_waiting(), self._num_steps,
-                           self._num_prompt_tokens, self._num_generated_tokens, {})
+                           self._num_prompt_tokens, self._num_generated_tokens, {}, self.handoff.stats())
 
     def _scheduler_stats(self) -> dict[str, Any]:
         try:
@@ -254,12 +265,13 @@ class EngineCore:
             self._in_engine[request.request_id] = request
             try:
                 self.token_processor.add_request(request)
-                self.resource_manager.add_request(request)
+                if not self.handoff.admit(request):
+                    self.resource_manager.add_request(request)
                 self.hooks.fd_request_added(request=request)
             except Exception as exc:  # one plugin failure refuses this request, not the batch
                 log.exception("could not admit %r", request)
                 refused.append((request, FinishReason.ERROR, f"could not admit the request: {exc}", None))
-        self.scheduler.put_results(self._end(refused))
+        self._route(self._end(refused))
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         self._num_steps += 1
@@ -269,11 +281,56 @@ class EngineCore:
             log.exception("model runner failed on a step of %d rows", len(plan.scheduled))
             return self._end([(row.request, FinishReason.ERROR, f"model runner failed: {exc}", None)
                               for row in plan.scheduled if row.request.request_id in self._in_engine])
-        outputs = self.token_processor.process(plan, result)
         self._count_tokens(plan, result)
+        self.handoff.computed(plan, result)
+        outputs = self._process(plan, result)
+        self.hooks.fd_step_finished(plan=plan, result=result, stats={"kv": self.resource_manager.stats()})
+        return outputs
+
+    def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Sampled tokens -> outputs (token processor), then end the requests it reports finished."""
+        outputs = self.token_processor.process(plan, result)
         self._end([(self._in_engine[o.request_id], o.finish_reason, o.error, o)
                    for o in outputs if o.finish_reason is not None and o.request_id in self._in_engine])
-        self.hooks.fd_step_finished(plan=plan, result=result, stats={"kv": self.resource_manager.stats()})
+        return outputs
+
+    def _wait_for_work(self) -> None:
+        """Block until a request arrives or :meth:`wake` is called (no polling sleep)."""
+        room = self._room()
+        if room > 0:
+            self._admit(self.scheduler.get_requests(room, timeout=None))
+        else:   # the scheduler would return at once while it holds requests we cannot take
+            self._wakeup.wait()
+        self._wakeup.clear()
+
+    def _apply_handoff(self) -> list[RequestOutput]:
+        """Take what the hand-off brought: prompts to compute for a decode instance, first tokens
+        whose KV arrived (they are processed like sampled tokens), requests to end."""
+        events = self.handoff.poll(self._room())
+        for request in events.new_requests:
+            self._unrouted.add(request.request_id)
+            self._in_engine[request.request_id] = request
+            self.resource_manager.add_request(request)
+        outputs = self._end([(request, reason, error, None) for request, reason, error in events.ends])
+        if events.first_tokens:
+            outputs += self._first_tokens(events.first_tokens)
+        return outputs
+
+    def _first_tokens(self, arrived: list[tuple[Request, SampledToken]]) -> list[RequestOutput]:
+        live = [(request, token) for request, token in arrived if self._in_engine.get(request.request_id) is request]
+        plan = StepPlan([ScheduledRequest(request, 0, request.num_prompt_tokens, [], sample=True)
+                         for request, _ in live])
+        self._num_generated_tokens += len(live)
+        return self._process(plan, StepResult({request.request_id: token for request, token in live}))
+
+    def _route(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Hand outputs to the scheduler for their origin; those of prompts computed for another
+        instance go nowhere. Returns what was routed."""
+        if self._unrouted:
+            kept = [o for o in outputs if o.request_id not in self._unrouted]
+            self._unrouted.difference_update(o.request_id for o in outputs if o.finished)
+            outputs = kept
+        self.scheduler.put_results(outputs)
         return outputs
 
     def _count_tokens(self, plan: StepPlan, result: StepResult) -> None:
@@ -318,6 +375,7 @@ class EngineCore:
             self._in_engine.pop(request_id, None)
             self.runner.release([request_id])
             self._tell(self.token_processor, "forget", request_id)
+            self._tell(self.handoff, "forget", request_id)
             if output is None:
                 output = RequestOutput(request_id, num_prompt_tokens=request.num_prompt_tokens,
                                        num_output_tokens=len(request.output_token_ids),

@@ -116,6 +116,9 @@ def engine_config(model: str | None, config: FdConfig | None, sections: dict[str
     if config.parallel.data_parallel_size != 1:
         raise ConfigError("parallel.data_parallel_size", f"{config.parallel.data_parallel_size}: an in-process "
                           "engine is one rank; data-parallel ranks run behind fd-serve")
+    if config.splitwise.role != "mixed":
+        raise ConfigError("splitwise.role", f"{config.splitwise.role!r}: an in-process engine computes whole requests "
+                          "(mixed); prefill and decode instances run behind fd-serve")
     return config
 
 

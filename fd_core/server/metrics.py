@@ -57,6 +57,8 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("fd_generation_tokens", "Tokens generated.", value=stats["num_generated_tokens"])
         yield CounterMetricFamily("fd_engine_steps", "Engine steps run.", value=stats["num_steps"])
         yield from _scheduler_metrics(stats.get("scheduler") or {})
+        yield from _figure_metrics("fd_splitwise", "Prefill/decode hand-off", stats.get("splitwise") or {},
+                                   gauges=_SPLITWISE_GAUGES)
         if "ranks" in stats:
             yield from _rank_metrics(stats["ranks"])
             yield CounterMetricFamily("fd_dp_requests_continued", "Requests continued on another rank after "
@@ -66,6 +68,10 @@ class _EngineCollector(Collector):
 #: Scheduler figures that only grow (exported as counters; the others are gauges).
 _SCHEDULER_COUNTERS: Final = frozenset({"served_for_peers", "taken_by_peers", "leases_expired", "reserved",
                                         "redis_round_trips", "degraded_episodes"})
+
+
+#: Hand-off figures that go up and down (the others only grow).
+_SPLITWISE_GAUGES: Final = frozenset({"transfers_open", "waiting_for_blocks", "jobs_open", "jobs_queued"})
 
 
 def _rank_metrics(ranks: list[dict[str, Any]]) -> Iterator[Metric]:
@@ -97,14 +103,21 @@ def _scheduler_metrics(figures: dict[str, Any]) -> Iterator[Metric]:
     """``fd_scheduler_<figure>`` for each number of Scheduler.stats(); ``fd_scheduler_degraded`` 0/1."""
     yield GaugeMetricFamily("fd_scheduler_degraded", "1 while the scheduler serves degraded (see /health).",
                             value=int(bool(figures.get("degraded_reason"))))
+    gauges = {key for key in figures if key not in _SCHEDULER_COUNTERS}
+    yield from _figure_metrics("fd_scheduler", "Scheduler", figures, gauges=gauges)
+
+
+def _figure_metrics(prefix: str, what: str, figures: dict[str, Any], *, gauges: set[str] | frozenset[str]
+                    ) -> Iterator[Metric]:
+    """``<prefix>_<figure>`` for each number in ``figures``: a gauge if named in ``gauges``, else a counter."""
     for key, value in sorted(figures.items()):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        name = f"fd_scheduler_{key}"
-        if key in _SCHEDULER_COUNTERS:
-            yield CounterMetricFamily(name, f"Scheduler figure {key} (total).", value=value)
+        name = f"{prefix}_{key}"
+        if key in gauges:
+            yield GaugeMetricFamily(name, f"{what} figure {key} (now).", value=value)
         else:
-            yield GaugeMetricFamily(name, f"Scheduler figure {key} (now).", value=value)
+            yield CounterMetricFamily(name, f"{what} figure {key} (total).", value=value)
 
 
 class ServerMetrics:

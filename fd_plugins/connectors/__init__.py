@@ -1,0 +1,1 @@
+"""Built-in connectors of prefill/decode instances: ``zmq`` (TCP, across hosts) and ``shm`` (same host)."""

@@ -62,7 +62,7 @@ class CpuPlatform(Platform):
     """
 
     name: ClassVar[str] = "cpu"
-    fd_hookspec_version: ClassVar[int] = 2
+    fd_hookspec_version: ClassVar[int] = 3
     settings_model: ClassVar[type[BaseModel] | None] = CpuSettings
     priority: ClassVar[int] = 0
 

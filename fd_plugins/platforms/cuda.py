@@ -48,7 +48,7 @@ class CudaPlatform(Platform):
     """NVIDIA GPUs; ``gpu:N`` devices, one worker per local rank."""
 
     name: ClassVar[str] = "cuda"
-    fd_hookspec_version: ClassVar[int] = 2
+    fd_hookspec_version: ClassVar[int] = 3
     settings_model: ClassVar[type[BaseModel] | None] = CudaSettings
     priority: ClassVar[int] = 50
     capabilities = frozenset({PAGED_ATTENTION, FLOAT16, FUSED_RMS_NORM})

@@ -20,7 +20,7 @@ class HpuPlatform(CustomDevicePlatform):
     ``INTEL_HPU_VISIBLE_DEVICES`` (the variable FastDeploy's Gaudi guide sets)."""
 
     name: ClassVar[str] = "hpu"
-    fd_hookspec_version: ClassVar[int] = 2
+    fd_hookspec_version: ClassVar[int] = 3
     settings_model: ClassVar[type[BaseModel] | None] = HpuSettings
     priority: ClassVar[int] = 30
     capabilities = frozenset({PAGED_ATTENTION})

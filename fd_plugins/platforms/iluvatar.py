@@ -20,7 +20,7 @@ class IluvatarPlatform(CustomDevicePlatform):
     visibility uses ``CUDA_VISIBLE_DEVICES``."""
 
     name: ClassVar[str] = "iluvatar"
-    fd_hookspec_version: ClassVar[int] = 2
+    fd_hookspec_version: ClassVar[int] = 3
     settings_model: ClassVar[type[BaseModel] | None] = IluvatarSettings
     priority: ClassVar[int] = 20
     capabilities = frozenset({PAGED_ATTENTION, FLOAT16})

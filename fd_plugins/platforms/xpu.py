@@ -38,7 +38,7 @@ class XpuPlatform(Platform):
     """Kunlunxin XPUs; ``xpu:N`` devices, one worker per local rank."""
 
     name: ClassVar[str] = "xpu"
-    fd_hookspec_version: ClassVar[int] = 2
+    fd_hookspec_version: ClassVar[int] = 3
     settings_model: ClassVar[type[BaseModel] | None] = XpuSettings
     priority: ClassVar[int] = 40
     capabilities = frozenset({PAGED_ATTENTION, FLOAT16})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fd_core.contracts.resource_manager import KVStats, ResourceManager
 from fd_core.outputs import ScheduledRequest
@@ -45,6 +45,8 @@ class BlockTable:
 class QueuedBlockManager(ResourceManager):
     """Queues, block tables and lifecycle; subclasses write ``schedule`` and admission."""
 
+    supports_reserve: ClassVar[bool] = True
+
     def __init__(self, settings: BaseModel | None, *, limits: KVLimits, hooks: Any, pool: BlockPool) -> None:
         super().__init__(settings, limits=limits, hooks=hooks)
         assert pool.num_blocks == limits.num_blocks
@@ -62,6 +64,22 @@ class QueuedBlockManager(ResourceManager):
         request.status = RequestStatus.WAITING
         self._unfinished[request.request_id] = request
         self.waiting.append(request)
+
+    def reserve(self, request: Request) -> list[int] | None:
+        assert request.request_id not in self._unfinished, f"{request!r} added twice"
+        n_prompt = request.num_prompt_tokens
+        assert not request.output_token_ids, "a reserved request gets its first token from the prefill side"
+        needed = cdiv(n_prompt, self.limits.block_size)
+        if needed > self.pool.num_free or len(self.running) >= self.limits.max_num_seqs:
+            return None
+        table = BlockTable()
+        self.tables[request.request_id] = table
+        self._grow(request, needed)
+        self._unfinished[request.request_id] = request
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = n_prompt
+        return list(table.ids)
 
     def finish_requests(self, requests: list[Request], reason: FinishReason) -> None:
         done = [r for r in requests if self._unfinished.get(r.request_id) is r]

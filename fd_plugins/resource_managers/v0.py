@@ -51,7 +51,7 @@ class V0ResourceManager(QueuedBlockManager):
     """Whole-prompt admission with blocks promised for each request's full length."""
 
     name: ClassVar[str] = "v0"
-    fd_hookspec_version: ClassVar[int] = 2
+    fd_hookspec_version: ClassVar[int] = 3
     settings_model: ClassVar[type[BaseModel]] = V0Settings
 
     def __init__(self, settings: V0Settings | None, *, limits: KVLimits, hooks: Any) -> None:
@@ -77,6 +77,17 @@ class V0ResourceManager(QueuedBlockManager):
         while self.waiting and self.waiting[0].num_tokens <= budget and self._can_admit(self.waiting[0]):
             budget -= self._admit(self.waiting[0], plan, now)
         return plan
+
+    def reserve(self, request: Request) -> list[int] | None:
+        """Like admission: only when the request's whole lifetime fits what is not promised."""
+        if not self._can_admit(request):
+            return None
+        ids = super().reserve(request)
+        assert ids is not None, "_can_admit checked the room"
+        promised = self._lifetime_blocks(request) - len(ids)
+        self._promised[request.request_id] = promised
+        self._num_promised += promised
+        return ids
 
     def _schedule_running(self, plan: StepPlan, budget: int, now: float) -> int:
         """Add a row for each running request that has room; return the budget left."""

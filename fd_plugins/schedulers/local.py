@@ -41,7 +41,7 @@ class LocalScheduler(Scheduler):
     """In-process FIFO queue (order hookable) with a size limit and TTL."""
 
     name: ClassVar[str] = "local"
-    fd_hookspec_version: ClassVar[int] = 2
+    fd_hookspec_version: ClassVar[int] = 3
     settings_model: ClassVar[type[BaseModel]] = LocalSchedulerSettings
 
     def __init__(self, settings: LocalSchedulerSettings | None, *, hooks: Any, max_queue_size: int) -> None:

@@ -74,7 +74,7 @@ class DefaultTokenProcessor(TokenProcessor):
     """Stops, incremental detokenization, logprobs, finish reasons and metrics."""
 
     name: ClassVar[str] = "default"
-    fd_hookspec_version: ClassVar[int] = 2
+    fd_hookspec_version: ClassVar[int] = 3
     settings_model: ClassVar[type[BaseModel]] = DefaultTokenProcessorSettings
 
     def __init__(self, settings: DefaultTokenProcessorSettings | None, *, tokenizer: object,

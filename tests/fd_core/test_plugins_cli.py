@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fd_core.hookspecs import FD_HOOKSPEC_VERSION
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION, OLDEST_COMPATIBLE
 from tests.conftest import run_fd_serve
 
 pytestmark = pytest.mark.usefixtures("demo_plugins")
@@ -67,7 +67,9 @@ def test_name_clash_is_shadowed_with_a_deterministic_winner():
 
 def test_hookspec_version_mismatch_is_refused_naming_the_plugin(tmp_path):
     table = run_fd_serve("plugins", "list").stdout
-    assert f"failed: was written for hookspec version 0; this core speaks version {FD_HOOKSPEC_VERSION}" in \
+    oldest = OLDEST_COMPATIBLE["scheduler"]
+    assert (f"failed: was written for hookspec version 0; this core speaks versions {oldest} to "
+            f"{FD_HOOKSPEC_VERSION} for scheduler plugins") in \
         _row(table, "fd.schedulers", "old", "fd-other-plugins")
     deploy = tmp_path / "deploy.toml"
     deploy.write_text('[scheduler]\nname = "old"\n')

@@ -64,7 +64,7 @@ class V1ResourceManager(QueuedBlockManager):
     """Token-budget scheduler with chunked prefill, recompute preemption and prefix caching."""
 
     name: ClassVar[str] = "v1"
-    fd_hookspec_version: ClassVar[int] = 2
+    fd_hookspec_version: ClassVar[int] = 3
     supports_prefix_caching: ClassVar[bool] = True
     settings_model: ClassVar[type[BaseModel]] = V1Settings
 

@@ -73,7 +73,7 @@ class GlobalScheduler(Scheduler):
     """A pool member: own queue first, work stealing, leases, results routed to the origin."""
 
     name: ClassVar[str] = "global"
-    fd_hookspec_version: ClassVar[int] = 2
+    fd_hookspec_version: ClassVar[int] = 3
     settings_model: ClassVar[type[BaseModel]] = GlobalSchedulerSettings
 
     def __init__(self, settings: GlobalSchedulerSettings | None, *, hooks: Any, max_queue_size: int) -> None:

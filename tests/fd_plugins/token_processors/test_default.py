@@ -21,7 +21,7 @@ STOP_SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=
 def test_registered_under_its_entry_point():
     (ep,) = [ep for ep in entry_points(group="fd.token_processors") if ep.name == "default"]
     assert ep.load() is DefaultTokenProcessor
-    assert DefaultTokenProcessor.name == "default" and DefaultTokenProcessor.fd_hookspec_version == 2
+    assert DefaultTokenProcessor.name == "default" and DefaultTokenProcessor.fd_hookspec_version == 3
 
 
 def test_settings_reject_unknown_keys():

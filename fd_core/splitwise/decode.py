@@ -1,0 +1,252 @@
+"""The decode side of the hand-off: reserve, ask a prefill instance, take the KV, decode on.
+
+See :mod:`fd_core.splitwise` for the protocol. The engine thread reserves blocks and hands the
+request to the link thread, which picks the prefill instance, writes arriving blocks into the
+reserved blocks (under the lock, so that a cancel never races a write) and reports the first
+token back; the core then emits it and the request decodes like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fd_core.outputs import SampledToken
+from fd_core.request import FinishReason
+from fd_core.server import wire
+from fd_core.splitwise import protocol
+from fd_core.splitwise.roles import HandoffEvents
+from fd_core.splitwise.side import LinkedSide
+
+if TYPE_CHECKING:
+    from fd_core.contracts.connector import Delivery
+    from fd_core.contracts.resource_manager import ResourceManager
+    from fd_core.contracts.scheduler import PeerInfo
+    from fd_core.outputs import StepPlan
+    from fd_core.request import Request
+    from fd_core.splitwise.kv_blocks import KVBlockViews
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Transfer:
+    """One reserved request waiting for its prompt KV."""
+
+    request: Request
+    blocks: list[int]                   # the reserved block ids, in position order
+    heard: float                        # last message from the prefill side (monotonic)
+    started: float
+    attempt: int = 0
+    peer: PeerInfo | None = None
+    tried: list[str] = field(default_factory=list)   # instance ids asked so far
+    written: set[int] = field(default_factory=set)  # block indexes written in this attempt
+
+
+class DecodeSide(LinkedSide):
+    """Reserves blocks, has prompts computed elsewhere, and decodes on (``splitwise.role = "decode"``)."""
+
+    role: ClassVar[str] = "decode"
+
+    def __init__(self, *, resource_manager: ResourceManager, kv: KVBlockViews, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.resource_manager = resource_manager
+        self.kv = kv
+        self._waiting_for_room: deque[Request] = deque()   # engine thread only
+        self._transfers: dict[str, _Transfer] = {}          # under the lock
+        self._arrived: list[tuple[Request, SampledToken]] = []
+        self._failed: list[tuple[Request, FinishReason, str | None]] = []
+
+    # --- engine thread -------------------------------------------------------------------------
+
+    def admit(self, request: Request) -> bool:
+        self._waiting_for_room.append(request)
+        self._reserve_waiting()
+        return True
+
+    def poll(self, room: int) -> HandoffEvents:
+        self._reserve_waiting()
+        with self._lock:
+            events = HandoffEvents(first_tokens=self._arrived, ends=self._failed)
+            self._arrived, self._failed = [], []
+        return events
+
+    def has_events(self) -> bool:
+        with self._lock:
+            return bool(self._arrived or self._failed)
+
+    def planned(self, plan: StepPlan) -> None:
+        for request_id in plan.preempted_ids:   # it recomputes its prompt here instead
+            if self._cancel(request_id, "preempted on the decode side"):
+                self._count("transfers_preempted")
+
+    def forget(self, request_id: str) -> None:
+        self._cancel(request_id, "the request ended on the decode side")
+        for request in self._waiting_for_room:
+            if request.request_id == request_id:
+                self._waiting_for_room.remove(request)
+                break
+
+    def stats(self) -> dict[str, Any]:
+        figures = super().stats()
+        with self._lock:
+            figures["transfers_open"] = len(self._transfers)
+        figures["waiting_for_blocks"] = len(self._waiting_for_room)
+        return figures
+
+    def _reserve_waiting(self) -> None:
+        """Reserve blocks for waiting requests in order; the first that does not fit waits on."""
+        while self._waiting_for_room:
+            request = self._waiting_for_room[0]
+            blocks = self.resource_manager.reserve(request)
+            if blocks is None:
+                return
+            self._waiting_for_room.popleft()
+            now = time.monotonic()
+            transfer = _Transfer(request, blocks, heard=now, started=now)
+            with self._lock:
+                self._transfers[request.request_id] = transfer
+            self._link.call(lambda t=transfer: self._ask_next(t, None))
+
+    def _cancel(self, request_id: str, reason: str) -> bool:
+        with self._lock:   # waits for a block write in progress: none follows
+            transfer = self._transfers.pop(request_id, None)
+        if transfer is None:
+            return False
+        peer = transfer.peer
+        if peer is not None:
+            self._link.call(lambda: self._send(peer.address, protocol.ABORT, id=request_id,
+                                               attempt=transfer.attempt, reason=reason))
+        return True
+
+    # --- link thread ---------------------------------------------------------------------------
+
+    def on_delivery(self, delivery: Delivery) -> None:
+        message = delivery.message
+        with self._lock:
+            transfer = self._transfers.get(message.get("id", ""))
+            current = transfer is not None and message.get("attempt") == transfer.attempt
+            kind = message["kind"]
+            if kind == protocol.ALIVE:
+                for request_id, attempt in message["open"]:
+                    open_transfer = self._transfers.get(request_id)
+                    if open_transfer is not None and open_transfer.attempt == attempt:
+                        open_transfer.heard = time.monotonic()
+                return
+            if not current:
+                return   # ended here, or a late message of an earlier attempt
+            assert transfer is not None
+            transfer.heard = time.monotonic()
+            if kind == protocol.BLOCK:
+                self._write(transfer, message["index"], delivery.buffers)
+                return
+        if kind == protocol.DONE:
+            self._on_done(transfer, message)
+        elif kind == protocol.ABORT:
+            self._ask_next(transfer, f"{transfer.peer.instance_id if transfer.peer else '?'}: {message['reason']}")
+
+    def on_heartbeat(self, now: float) -> None:
+        stalled, open_by_peer = [], {}
+        with self._lock:
+            for transfer in self._transfers.values():
+                if transfer.peer is None:
+                    continue
+                if now - transfer.heard > self.settings.stall_timeout_s:
+                    stalled.append(transfer)
+                else:
+                    open_by_peer.setdefault(transfer.peer.address, []).append(
+                        [transfer.request.request_id, transfer.attempt])
+        self._send_alive(open_by_peer)
+        for transfer in stalled:
+            assert transfer.peer is not None
+            peer = transfer.peer
+            self._send(peer.address, protocol.ABORT, id=transfer.request.request_id, attempt=transfer.attempt,
+                       reason="no message for splitwise.stall_timeout_s")
+            self.connector.forget_peer(peer.address)
+            self._count("transfers_stalled")
+            self._ask_next(transfer, f"{peer.instance_id}: silent for {self.settings.stall_timeout_s} s "
+                                     "(splitwise.stall_timeout_s)")
+
+    def _write(self, transfer: _Transfer, index: int, buffers: list[memoryview]) -> None:
+        """Copy one block into its reserved block (caller holds the lock)."""
+        if not 0 <= index < len(transfer.blocks):
+            raise ValueError(f"block index {index} of {transfer.request.request_id!r} is outside its "
+                             f"{len(transfer.blocks)} reserved blocks")
+        self.kv.write(transfer.blocks[index], buffers)
+        transfer.written.add(index)
+        self._counters["blocks_received"] += 1
+        self._counters["bytes_received"] += sum(b.nbytes for b in buffers)
+
+    def _on_done(self, transfer: _Transfer, message: dict[str, Any]) -> None:
+        assert transfer.peer is not None
+        request_id = transfer.request.request_id
+        missing = len(transfer.blocks) - len(transfer.written)
+        if message["blocks"] != len(transfer.blocks) or missing:
+            self._ask_next(transfer, f"{transfer.peer.instance_id}: sent {len(transfer.written)} of "
+                                     f"{len(transfer.blocks)} blocks")
+            return
+        self._send(transfer.peer.address, protocol.ACK, id=request_id, attempt=transfer.attempt)
+        token_id, logprob, top = message["token"]
+        token = SampledToken(token_id, logprob, None if top is None else [tuple(pair) for pair in top])
+        with self._lock:
+            if self._transfers.pop(request_id, None) is None:
+                return   # cancelled meanwhile: the ACK lets the prefill side free its blocks anyway
+            self._arrived.append((transfer.request, token))
+            self._counters["transfers_done"] += 1
+            self._counters["transfer_ms_total"] += int(1000 * (time.monotonic() - transfer.started))
+        self._wake_engine()
+
+    def _ask_next(self, transfer: _Transfer, failure: str | None) -> None:
+        """Ask the next prefill instance (after ``failure`` of the last one), or fail the request."""
+        request = transfer.request
+        attempts = self.settings.max_prefill_attempts
+        peer = self._choose_peer(transfer.tried) if len(transfer.tried) < attempts else None
+        with self._lock:
+            if self._transfers.get(request.request_id) is not transfer:
+                return   # cancelled meanwhile
+            if failure is not None:
+                self._counters["prefill_attempts_failed"] += 1
+                log.warning("prefill of %r failed: %s", request.request_id, failure)
+            if peer is None:
+                del self._transfers[request.request_id]
+                self._failed.append((request, FinishReason.ERROR, self._no_peer_reason(transfer, failure)))
+                self._counters["transfers_failed"] += 1
+            else:
+                transfer.attempt += 1
+                transfer.peer = peer
+                transfer.tried.append(peer.instance_id)
+                transfer.written.clear()
+                transfer.heard = time.monotonic()
+        if peer is None:
+            self._wake_engine()
+            return
+        sent = self._send(peer.address, protocol.PREFILL, id=request.request_id, attempt=transfer.attempt,
+                          request=wire.encode_request(request), layout=self.me.layout)
+        if not sent:
+            self._ask_next(transfer, f"{peer.instance_id} does not take messages")
+
+    def _choose_peer(self, tried: list[str]) -> PeerInfo | None:
+        """The least loaded compatible prefill instance not tried yet for this request."""
+        loads: dict[str, int] = {}
+        with self._lock:
+            for open_transfer in self._transfers.values():
+                if open_transfer.peer is not None:
+                    loads[open_transfer.peer.instance_id] = (loads.get(open_transfer.peer.instance_id, 0)
+                                                             + open_transfer.request.num_prompt_tokens)
+        candidates = [p for p in self.directory.peers("prefill") if p.instance_id not in tried and self._fits(p)]
+        return min(candidates, key=lambda p: (p.load + loads.get(p.instance_id, 0), p.instance_id), default=None)
+
+    def _fits(self, peer: PeerInfo) -> bool:
+        return (peer.connector == self.me.connector and peer.layout == self.me.layout
+                and (not self.connector.same_host_only or peer.host == self.me.host))
+
+    def _no_peer_reason(self, transfer: _Transfer, failure: str | None) -> str:
+        if failure is not None:
+            return (f"the prompt could not be computed by a prefill instance after {len(transfer.tried)} "
+                    f"attempt(s) (splitwise.max_prefill_attempts); last: {failure}")
+        where = " on this host" if self.connector.same_host_only else ""
+        return (f"no live prefill instance with connector {self.me.connector!r} and this KV layout is "
+                f"registered{where}; start one with splitwise.role = 'prefill'")

@@ -1,0 +1,84 @@
+"""The hand-off thread: the only thread that touches the connector.
+
+It waits in ``connector.receive`` (at most one heartbeat), hands each delivery to its side
+(:meth:`LinkSide.on_delivery`), runs the side's timers once per heartbeat
+(:meth:`LinkSide.on_heartbeat`), and runs the calls that the engine thread queued with
+:meth:`Link.call` (``connector.wake`` makes a blocked receive return for them at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from fd_core.contracts.connector import Connector, Delivery
+
+log = logging.getLogger(__name__)
+
+
+class LinkSide(Protocol):
+    """What the link thread drives: the prefill or the decode side of the hand-off."""
+
+    def on_delivery(self, delivery: Delivery) -> None: ...
+
+    def on_heartbeat(self, now: float) -> None: ...
+
+
+class Link:
+    """Runs ``side`` on its own thread over ``connector`` until :meth:`close`."""
+
+    def __init__(self, connector: Connector, side: LinkSide, *, heartbeat_s: float) -> None:
+        self.connector = connector
+        self._side = side
+        self._heartbeat_s = heartbeat_s
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fd-handoff", daemon=True)
+        self.address = ""
+
+    def start(self) -> str:
+        """Bind the connector and start the thread; returns this instance's address."""
+        self.address = self.connector.start()
+        self._thread.start()
+        return self.address
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the link thread soon (from any thread)."""
+        self._calls.put(fn)
+        self.connector.wake()
+
+    def close(self) -> None:
+        """Stop the thread, then close the connector."""
+        self._stop.set()
+        self.connector.wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.connector.close()
+
+    def _run(self) -> None:
+        next_beat = time.monotonic() + self._heartbeat_s
+        while not self._stop.is_set():
+            try:
+                delivery = self.connector.receive(max(0.0, next_beat - time.monotonic()))
+                if delivery is not None:
+                    self._side.on_delivery(delivery)
+                self._run_calls()
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._side.on_heartbeat(now)
+                    next_beat = now + self._heartbeat_s
+            except Exception:  # one bad message or peer must not end every hand-off of this instance
+                log.exception("the hand-off thread failed on one message; it goes on")
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            fn()

@@ -1,0 +1,22 @@
+"""The hand-off's message kinds and the fields each carries (see :mod:`fd_core.splitwise`).
+
+Every message is a dict with ``kind``; ``id`` is the request id on the decode side and
+``attempt`` the decode side's attempt number (echoed back, so late messages of an earlier
+attempt are told apart).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+PREFILL: Final = "prefill"   # decode -> prefill: id, attempt, request (wire.encode_request), layout
+BLOCK: Final = "block"       # prefill -> decode: id, attempt, index (position in the request's table); buffers
+DONE: Final = "done"         # prefill -> decode: id, attempt, blocks (how many were shipped), token
+ACK: Final = "ack"           # decode -> prefill: id, attempt
+ABORT: Final = "abort"       # either way: id, attempt, reason
+ALIVE: Final = "alive"       # either way: open [[id, attempt], ...]
+
+
+def token_fields(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> list[object]:
+    """A sampled token as plain data (``DONE``'s ``token``)."""
+    return [token_id, logprob, None if top is None else [list(pair) for pair in top]]
