@@ -109,11 +109,7 @@ class ZmqConnector(Connector):
                 self._wake_in.recv()
         if self._inbox not in ready:
             return None
-        sender, header, *frames = self._inbox.recv_multipart(copy=False)
-        self._stats["messages_received"] += 1
-        self._stats["bytes_received"] += len(header.bytes) + sum(len(f.buffer) for f in frames)
-        return self._delivery(sender.bytes.decode(), msgpack.unpackb(header.bytes, raw=False),
-                              [f.buffer for f in frames])
+        return self._delivery(*self._read_inbox())
 
     def wake(self) -> None:
         with self._wake_lock:
@@ -161,13 +157,22 @@ class ZmqConnector(Connector):
         """The header and the frames that carry ``message`` and its ``buffers`` to ``peer``."""
         return msgpack.packb(message, use_bin_type=True), list(buffers)
 
-    def _delivery(self, sender: str, message: dict[str, Any], frames: list[memoryview]) -> Delivery:
+    def _delivery(self, sender: str, message: dict[str, Any], frames: list[memoryview]) -> Delivery | None:
+        """What ``receive`` returns for one message read from the inbox (None: nothing for the caller)."""
         return Delivery(sender, message, frames)
 
     def _released(self) -> None:
         """The last delivery's buffers may go (the contract keeps them until the next receive)."""
 
     # --- internals -----------------------------------------------------------------------------
+
+    def _read_inbox(self) -> tuple[str, dict[str, Any], list[memoryview]]:
+        """One message from the inbox (it must be readable): sender, control dict, frames."""
+        assert self._inbox is not None
+        sender, header, *frames = self._inbox.recv_multipart(copy=False)
+        self._stats["messages_received"] += 1
+        self._stats["bytes_received"] += len(header.bytes) + sum(len(f.buffer) for f in frames)
+        return sender.bytes.decode(), msgpack.unpackb(header.bytes, raw=False), [f.buffer for f in frames]
 
     def _connect(self, peer: str) -> zmq.Socket[bytes]:
         socket = self._context.socket(zmq.DEALER)

@@ -14,13 +14,13 @@ from fd_core.request import Request, SamplingParams
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 31] * 3, [11, 12, 13], list(range(40, 90))]
 
 
-def _config(tiny_model_dir, redis_url: str | None, role: str, **extra):
+def _config(tiny_model_dir, redis_url: str | None, role: str, connector: str = "zmq", **extra):
     sections = {"model": {"source": tiny_model_dir}, "cache": {"num_blocks": 64, "block_size": 8}, **extra}
     if role != "mixed":
         sections.update(splitwise={"role": role, "heartbeat_s": 0.1, "stall_timeout_s": 1.0},
                         scheduler={"name": "splitwise", "options": {"url": redis_url, "heartbeat_s": 0.1,
                                                                      "lease_s": 1.0}},
-                        connector={"name": "zmq"})
+                        connector={"name": connector})
     return load_config(**sections)
 
 
@@ -40,10 +40,10 @@ def _run_all(engines, requests, target, timeout=60.0):
     return done
 
 
-@pytest.fixture
-def pair(tiny_model_dir, redis_server):
-    prefill = build_engine(_config(tiny_model_dir, redis_server.url, "prefill"))
-    decode = build_engine(_config(tiny_model_dir, redis_server.url, "decode"))
+@pytest.fixture(params=["zmq", "shm"])
+def pair(request, tiny_model_dir, redis_server):
+    prefill = build_engine(_config(tiny_model_dir, redis_server.url, "prefill", request.param))
+    decode = build_engine(_config(tiny_model_dir, redis_server.url, "decode", request.param))
     yield prefill, decode
     decode.close()
     prefill.close()
