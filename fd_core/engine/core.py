@@ -222,8 +222,9 @@ class EngineCore:
         return bool(self._in_engine) or self.scheduler.num_waiting() > 0 or bool(self._aborts)
 
     def stats(self) -> EngineStats:
-        """Counters as of the end of the last step, the scheduler's as of now; safe from any thread."""
-        return dataclasses.replace(self._stats, scheduler=self._scheduler_stats())
+        """Counters as of the end of the last step, the scheduler's and the hand-off's as of now;
+        safe from any thread."""
+        return dataclasses.replace(self._stats, scheduler=self._scheduler_stats(), splitwise=self.handoff.stats())
 
     def close(self) -> None:
         """Release the seams' connections and threads (hand-off, scheduler); once, after :meth:`run`."""
@@ -238,7 +239,7 @@ class EngineCore:
 
     def _collect_stats(self) -> EngineStats:
         return EngineStats(self.resource_manager.stats(), self.scheduler.num_waiting(), self._num_steps,
-                           self._num_prompt_tokens, self._num_generated_tokens, {}, self.handoff.stats())
+                           self._num_prompt_tokens, self._num_generated_tokens, {}, {})
 
     def _scheduler_stats(self) -> dict[str, Any]:
         try:

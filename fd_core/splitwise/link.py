@@ -53,7 +53,9 @@ class Link:
         self.connector.wake()
 
     def close(self) -> None:
-        """Stop the thread, then close the connector."""
+        """Stop the thread, then close the connector; a second call does nothing."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self.connector.wake()
         if self._thread.is_alive():

@@ -32,6 +32,7 @@ class EngineHandoff:
     """The mixed role: no hand-offs. The prefill and decode sides override what they need."""
 
     role: ClassVar[str] = "mixed"
+    name: ClassVar[str] = "splitwise"   # how failures name it (fd_core.plugin_guard.plugin_label)
 
     def start(self, wake_engine: Callable[[], None]) -> None:
         """Begin taking part (bind, publish this instance); ``wake_engine`` wakes an idle loop."""

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import msgpack
 import zmq
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from fd_core.contracts.connector import Connector, ConnectorRole, Delivery
 
@@ -29,17 +29,19 @@ class ZmqConnectorSettings(BaseModel):
 
     host: str = Field("127.0.0.1", description="Address the connector binds (0.0.0.0: every interface).")
     port: int = Field(0, ge=0, le=65535, description="TCP port it binds; 0 picks a free one.")
-    advertise_host: str | None = Field(None, description=(
+    advertise_host: str | None = Field(None, validate_default=True, description=(
         "Address peers reach it at (published in the peer directory); unset: host. Required when host "
         "binds every interface."))
     send_hwm: int = Field(1000, gt=0, description="Messages queued per peer before send reports it full.")
 
-    @model_validator(mode="after")
-    def _reachable(self) -> ZmqConnectorSettings:
-        if self.advertise_host is None and _binds_everything(self.host):
-            raise ValueError(f"advertise_host: required when host is {self.host!r} (peers cannot connect to it); "
+    @field_validator("advertise_host")
+    @classmethod
+    def _reachable(cls, value: str | None, info: ValidationInfo) -> str | None:
+        host = info.data.get("host", "")
+        if value is None and _binds_everything(host):
+            raise ValueError(f"required when host is {host!r} (peers cannot connect to it); "
                              "set it to this machine's address that peers reach")
-        return self
+        return value
 
     @property
     def published_host(self) -> str:

@@ -70,3 +70,117 @@ def test_prefill_then_decode_gives_the_mixed_engine_output(tiny_model_dir, pair,
     stats = decode.stats().splitwise
     assert stats["transfers_done"] == len(PROMPTS) and stats["blocks_received"] == sum(-(-len(p) // 8) for p in PROMPTS)
     assert prefill.stats().splitwise["jobs_done"] == len(PROMPTS)
+
+
+def _drain_blocks(engines, timeout=5.0):
+    """Step until every engine's pool is free again (ACKs and aborts arrive asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(e.resource_manager.num_free_blocks() == e.limits.num_blocks for e in engines):
+            return
+        for engine in engines:
+            engine.step()
+        time.sleep(0.01)
+    raise AssertionError([e.resource_manager.stats() for e in engines])
+
+
+def test_a_decode_instance_without_room_waits_and_no_prefill_is_wasted(tiny_model_dir, redis_server):
+    prefill = build_engine(_config(tiny_model_dir, redis_server.url, "prefill"))
+    # 6 blocks of 8 tokens: one 30-token prompt + 10 outputs (5 blocks) at a time
+    decode = build_engine(_config(tiny_model_dir, redis_server.url, "decode", cache={"num_blocks": 6, "block_size": 8}))
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        requests = [Request(f"r{i}", [(7 * i + t) % 500 + 1 for t in range(30)], params) for i in range(3)]
+        for request in requests:
+            decode.add_request(request)
+        decode.step()
+        assert decode.stats().splitwise["waiting_for_blocks"] == 2   # one reserved, two wait for its blocks
+        done = _run_all([prefill, decode], [], decode)
+        assert not done
+        finished = {}
+        deadline = time.monotonic() + 60
+        while len(finished) < 3 and time.monotonic() < deadline:
+            for engine in (prefill, decode):
+                engine.step()
+            for output in decode.get_results(timeout=0):
+                if output.finished:
+                    finished[output.request_id] = output
+        assert sorted(finished) == ["r0", "r1", "r2"]
+        assert all(o.finish_reason.value == "length" and not o.error for o in finished.values())
+        _drain_blocks([prefill, decode])
+        figures = prefill.stats().splitwise
+        # each prompt computed exactly once: nothing computed and then dropped
+        assert figures["jobs_received"] == figures["jobs_done"] == 3 and figures.get("jobs_aborted", 0) == 0
+        assert prefill.stats().num_prompt_tokens == 90
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_silent_prefill_instance_is_replaced_and_its_output_is_unchanged(tiny_model_dir, redis_server):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    mixed = build_engine(_config(tiny_model_dir, None, "mixed"))
+    want = _run_all([mixed], [Request("r", PROMPTS[2], params)], mixed)["r"]
+    first = build_engine(_config(tiny_model_dir, redis_server.url, "prefill"))
+    decode = build_engine(_config(tiny_model_dir, redis_server.url, "decode"))
+    second = None
+    try:
+        decode.add_request(Request("r", PROMPTS[2], params))
+        deadline = time.monotonic() + 10
+        while first.stats().splitwise.get("jobs_received", 0) == 0:   # the only prefill instance took it ...
+            assert time.monotonic() < deadline
+            decode.step()
+            time.sleep(0.01)
+        first.handoff.close()   # ... and goes silent before computing it (its engine is never stepped again)
+        second = build_engine(_config(tiny_model_dir, redis_server.url, "prefill"))
+        got = _run_all([second, decode], [], decode)
+        outputs = []
+        deadline = time.monotonic() + 30
+        while not outputs or not outputs[-1].finished:
+            assert time.monotonic() < deadline
+            for engine in (second, decode):
+                engine.step()
+            outputs += decode.get_results(timeout=0)
+        assert not got
+        assert [o.new_token_ids for o in outputs] == [o.new_token_ids for o in want]
+        figures = decode.stats().splitwise
+        assert figures["transfers_stalled"] == 1 and figures["prefill_attempts_failed"] == 1
+        _drain_blocks([second, decode])
+    finally:
+        decode.close()
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_without_any_prefill_instance_the_request_fails_with_a_clear_error(tiny_model_dir, redis_server):
+    decode = build_engine(_config(tiny_model_dir, redis_server.url, "decode"))
+    try:
+        decode.add_request(Request("r", PROMPTS[1], SamplingParams(max_tokens=4)))
+        outputs = []
+        deadline = time.monotonic() + 10
+        while not outputs:
+            assert time.monotonic() < deadline
+            decode.step()
+            outputs += decode.get_results(timeout=0.01)
+        assert outputs[-1].finished and outputs[-1].finish_reason.value == "error"
+        assert "no live prefill instance with connector 'zmq'" in outputs[-1].error
+        assert decode.resource_manager.num_free_blocks() == decode.limits.num_blocks
+    finally:
+        decode.close()
+
+
+def test_an_abort_on_the_decode_side_frees_the_prefill_side(tiny_model_dir, pair):
+    prefill, decode = pair
+    decode.add_request(Request("r", PROMPTS[2], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)))
+    deadline = time.monotonic() + 10
+    while prefill.stats().splitwise.get("jobs_received", 0) == 0:
+        assert time.monotonic() < deadline
+        decode.step()
+        time.sleep(0.01)
+    prefill.step()   # computes the prompt and ships it; its blocks stay held until the decode side answers
+    assert prefill.resource_manager.num_free_blocks() < prefill.limits.num_blocks
+    decode.abort("r")
+    _drain_blocks([prefill, decode])
+    final = [o for o in decode.get_results(timeout=0) if o.finished]
+    assert final and final[-1].finish_reason.value == "abort"
