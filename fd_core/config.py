@@ -135,7 +135,8 @@ class SplitwiseSection(_Section):
         "How often each side of an open hand-off tells the other it is still there."))
     stall_timeout_s: float = Field(10.0, gt=0, description=(
         "A hand-off that hears nothing from the other side for this long is given up and both sides free "
-        "its blocks; must be at least 2 x heartbeat_s."))
+        "its blocks (the decode side asks another prefill instance, and waits this long for one to be "
+        "registered); must be at least 2 x heartbeat_s."))
     max_prefill_attempts: int = Field(3, gt=0, description=(
         "Prefill instances a decode instance tries for one request before it answers with an error."))
 

@@ -18,6 +18,7 @@ Both sides send ``ALIVE`` for their open hand-offs every ``splitwise.heartbeat_s
 that hears nothing for ``splitwise.stall_timeout_s`` is given up by that side (and ``ABORT``
 sent). Given up on the decode side, the request is asked of another prefill instance (up to
 ``splitwise.max_prefill_attempts`` in all), keeping its reservation, then fails with an error;
+when no prefill instance is registered it waits up to ``stall_timeout_s`` for one to appear;
 on the prefill side, its blocks are freed. Messages of an earlier attempt are ignored. A
 client abort (or any end) on the decode side sends ``ABORT``; a prefill instance that cannot take
 a request (queue full) answers ``ABORT`` at once and the next instance is asked. A reserved request preempted on the decode side gives

@@ -44,6 +44,8 @@ class _Transfer:
     peer: PeerInfo | None = None
     tried: list[str] = field(default_factory=list)   # instance ids asked so far
     written: set[int] = field(default_factory=set)  # block indexes written in this attempt
+    unplaced_since: float | None = None  # no prefill instance to ask since (monotonic)
+    last_failure: str | None = None
 
 
 class DecodeSide(LinkedSide):
@@ -149,17 +151,19 @@ class DecodeSide(LinkedSide):
             self._ask_next(transfer, f"{transfer.peer.instance_id if transfer.peer else '?'}: {message['reason']}")
 
     def on_heartbeat(self, now: float) -> None:
-        stalled, open_by_peer = [], {}
+        stalled, unplaced, open_by_peer = [], [], {}
         with self._lock:
             for transfer in self._transfers.values():
                 if transfer.peer is None:
-                    continue
-                if now - transfer.heard > self.settings.stall_timeout_s:
+                    unplaced.append(transfer)
+                elif now - transfer.heard > self.settings.stall_timeout_s:
                     stalled.append(transfer)
                 else:
                     open_by_peer.setdefault(transfer.peer.address, []).append(
                         [transfer.request.request_id, transfer.attempt])
         self._send_alive(open_by_peer)
+        for transfer in unplaced:
+            self._ask_next(transfer, None)
         for transfer in stalled:
             assert transfer.peer is not None
             peer = transfer.peer
@@ -211,10 +215,19 @@ class DecodeSide(LinkedSide):
                 self._counters["prefill_attempts_failed"] += 1
                 log.warning("prefill of %r failed: %s", request.request_id, failure)
             if peer is None:
-                del self._transfers[request.request_id]
-                self._failed.append((request, FinishReason.ERROR, self._no_peer_reason(transfer, failure)))
-                self._counters["transfers_failed"] += 1
+                transfer.peer = None
+                if failure is not None or transfer.unplaced_since is None:
+                    transfer.unplaced_since = time.monotonic()
+                    transfer.last_failure = failure or transfer.last_failure
+                if (len(transfer.tried) >= attempts
+                        or time.monotonic() - transfer.unplaced_since >= self.settings.stall_timeout_s):
+                    del self._transfers[request.request_id]
+                    self._failed.append((request, FinishReason.ERROR, self._no_peer_reason(transfer)))
+                    self._counters["transfers_failed"] += 1
+                else:
+                    return   # asked again at each heartbeat until a prefill instance is there
             else:
+                transfer.unplaced_since = None
                 transfer.attempt += 1
                 transfer.peer = peer
                 transfer.tried.append(peer.instance_id)
@@ -243,7 +256,8 @@ class DecodeSide(LinkedSide):
         return (peer.connector == self.me.connector and peer.layout == self.me.layout
                 and (not self.connector.same_host_only or peer.host == self.me.host))
 
-    def _no_peer_reason(self, transfer: _Transfer, failure: str | None) -> str:
+    def _no_peer_reason(self, transfer: _Transfer) -> str:
+        failure = transfer.last_failure
         if failure is not None:
             return (f"the prompt could not be computed by a prefill instance after {len(transfer.tried)} "
                     f"attempt(s) (splitwise.max_prefill_attempts); last: {failure}")

@@ -1,0 +1,146 @@
+"""Prefill and decode fd-serve instances (real processes, a real Redis directory, each connector):
+answers equal one mixed engine's, every block is free on both sides afterwards, and a dead
+instance never leaves a client hanging or blocks held."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from fd_core.request import SamplingParams
+from fd_core.testing.redis_server import RedisServer, redis_server_path
+from tests.fd_core.server.conftest import TINY_ARGS, ServerProcess, start_server
+from tests.fd_core.server.test_lifecycle import read_stream
+from tests.fd_core.server.test_pool import PROMPTS, _wait_for
+from tests.fd_core.server.test_requests import metric, metrics
+
+MAX_TOKENS = 24
+#: Short hand-off timers, so that a dead peer is given up within a few seconds.
+TIMERS = ("--splitwise.heartbeat_s", "0.2", "--splitwise.stall_timeout_s", "2.0")
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory) -> Iterator[RedisServer]:
+    if redis_server_path() is None:
+        if os.environ.get("FD_REQUIRE_REDIS"):
+            pytest.fail("redis-server is not installed but FD_REQUIRE_REDIS is set (.ci/run installs it)")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+def start_role(tmp_path: Path, tiny_model: Path, redis: RedisServer, role: str, connector: str, *args: str,
+               topic: str = "t", name: str | None = None, lease_s: float = 1.0) -> ServerProcess:
+    return start_server(tmp_path, "--model.source", str(tiny_model), *TINY_ARGS, *TIMERS,
+                        "--splitwise.role", role, "--scheduler.name", "splitwise",
+                        "--scheduler.options", f'{{"url": "{redis.url}", "topic": "{topic}", "heartbeat_s": 0.2, '
+                                               f'"lease_s": {lease_s}}}',
+                        "--connector.name", connector, *args, name=name or role)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> list[str]:
+    from fd_core.engine.llm import LLM
+
+    llm = LLM(str(tiny_model), cache={"num_blocks": 256})
+    return [r.text for r in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                 ignore_eos=True))]
+
+
+def wait_blocks_free(*servers: ServerProcess, timeout: float = 15.0) -> None:
+    for server in servers:
+        _wait_for(lambda s=server: metric(t := metrics(s.url), "fd_kv_cache_blocks_free")
+                  == metric(t, "fd_kv_cache_blocks_total") > 0, f"every KV block free on {server.url}", timeout)
+
+
+@pytest.mark.parametrize("connector", ["zmq", "shm"])
+def test_a_prefill_decode_pair_answers_like_one_mixed_engine(tiny_model, redis, tmp_path, reference, connector):
+    prefill = start_role(tmp_path, tiny_model, redis, "prefill", connector, topic=connector)
+    decode = start_role(tmp_path, tiny_model, redis, "decode", connector, topic=connector)
+    try:
+        client = openai.OpenAI(base_url=decode.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def complete(i: int) -> str:
+            return client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        def stream(i: int) -> str:
+            chunks = client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(8) as workers:
+            texts = list(workers.map(complete, range(len(PROMPTS))))
+            streamed = list(workers.map(stream, range(len(PROMPTS))))
+        assert texts == reference and streamed == reference
+        wait_blocks_free(prefill, decode)
+        on_decode, on_prefill = metrics(decode.url), metrics(prefill.url)
+        assert metric(on_decode, "fd_splitwise_transfers_done_total") == 2 * len(PROMPTS)
+        assert metric(on_prefill, "fd_splitwise_jobs_done_total") == 2 * len(PROMPTS)
+        assert metric(on_prefill, "fd_splitwise_connector_bytes_sent_total") > 0
+        assert metric(on_decode, "fd_prompt_tokens_total") == 0   # no prompt computed on the decode side
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def _kill(server: ServerProcess) -> None:
+    """kill -9 the engine processes and the front end."""
+    for pid in server.engine_pids():
+        os.kill(pid, signal.SIGKILL)
+    server.proc.kill()
+    server.proc.wait()
+
+
+def test_a_killed_decode_instance_fails_its_clients_and_frees_the_prefill_side(tiny_model, redis, tmp_path):
+    prefill = start_role(tmp_path, tiny_model, redis, "prefill", "zmq", topic="kill-d")
+    decode = start_role(tmp_path, tiny_model, redis, "decode", "zmq", topic="kill-d")
+    try:
+        body = {"prompt": list(range(20, 260)), "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        starts = [threading.Event() for _ in range(6)]
+        with ThreadPoolExecutor(6) as workers:
+            futures = [workers.submit(read_stream, decode.url, body, started) for started in starts]
+            assert starts[0].wait(60)
+            killed_at = time.monotonic()
+            _kill(decode)
+            for future in futures:   # every client hears of it promptly: the connection ends
+                with pytest.raises(Exception):
+                    future.result(timeout=30)
+            assert time.monotonic() - killed_at < 30
+        wait_blocks_free(prefill, timeout=20)   # stall_timeout_s (2 s) after the decode side went silent
+        assert metric(metrics(prefill.url), "fd_splitwise_jobs_open") == 0
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_a_killed_prefill_instance_is_replaced_by_another(tiny_model, redis, tmp_path, reference):
+    # a long directory lease: the killed instance stays listed (and is asked) for ~3 s after its death
+    first = start_role(tmp_path, tiny_model, redis, "prefill", "zmq", topic="kill-p", lease_s=3.0, name="prefill-1")
+    second = start_role(tmp_path, tiny_model, redis, "prefill", "zmq", topic="kill-p", lease_s=3.0, name="prefill-2")
+    decode = start_role(tmp_path, tiny_model, redis, "decode", "zmq", topic="kill-p")
+    try:
+        client = openai.OpenAI(base_url=decode.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        _kill(first)
+        with ThreadPoolExecutor(4) as workers:   # placed by load: half go to the dead instance first
+            texts = list(workers.map(lambda i: client.completions.create(
+                model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True}).choices[0].text, range(4)))
+        assert texts == reference[:4]
+        text = metrics(decode.url)
+        assert metric(text, "fd_splitwise_transfers_stalled_total") >= 1
+        wait_blocks_free(decode, second)
+    finally:
+        for server in (decode, first, second):
+            server.stop()
