@@ -25,16 +25,18 @@ def redis_server_path() -> str | None:
 
 
 class RedisServer:
-    """One ``redis-server`` child process bound to 127.0.0.1; :meth:`stop`, :meth:`start` again."""
+    """One ``redis-server`` child process bound to 127.0.0.1 (or the addresses in ``bind``: the
+    first is the one in :attr:`url`); :meth:`stop`, :meth:`start` again."""
 
-    def __init__(self, folder: Path, port: int | None = None) -> None:
+    def __init__(self, folder: Path, port: int | None = None, *, bind: tuple[str, ...] = ("127.0.0.1",)) -> None:
         executable = redis_server_path()
         if executable is None:
             raise FileNotFoundError("redis-server is not on PATH (apt-get install redis-server)")
         self._executable = executable
         self.folder = folder
         self.port = port or _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.bind = bind
+        self.url = self.url_at(bind[0])
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
@@ -42,7 +44,9 @@ class RedisServer:
         self.folder.mkdir(parents=True, exist_ok=True)
         log = (self.folder / "redis.log").open("ab")
         self._process = subprocess.Popen(
-            [self._executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [self._executable, "--port", str(self.port), "--bind", *self.bind, "--save", "", "--appendonly", "no",
+             # clients come from the addresses it binds (test namespaces), not only loopback
+             "--protected-mode", "no" if self.bind != ("127.0.0.1",) else "yes",
              "--dir", str(self.folder)], stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -51,7 +55,7 @@ class RedisServer:
                 raise RuntimeError(f"redis-server exited with {self._process.returncode}: "
                                    f"{(self.folder / 'redis.log').read_text()[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                with socket.create_connection((self.bind[0], self.port), timeout=1) as conn:
                     conn.sendall(b"PING\r\n")
                     if conn.recv(16).startswith(b"+PONG"):
                         return self
@@ -59,6 +63,10 @@ class RedisServer:
                 pass
             time.sleep(0.05)
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {START_TIMEOUT_S} s")
+
+    def url_at(self, host: str) -> str:
+        """The redis-py URL of this server at one of its bind addresses."""
+        return f"redis://{host}:{self.port}/0"
 
     def stop(self) -> None:
         """Kill the server (its data is gone)."""

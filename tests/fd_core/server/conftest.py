@@ -45,8 +45,12 @@ class ServerProcess:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("FD_") or k == "FD_CACHE_DIR"}
         full_env.update(env or {})
         self._log = log_path.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "fd_core.cli", "--server.port", str(self.port), *args],
+        self.proc = subprocess.Popen(self._command(["--server.port", str(self.port), *args]),
                                      stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    def _command(self, args: list[str]) -> list[str]:
+        """The command line that runs fd-serve with ``args``."""
+        return [sys.executable, "-m", "fd_core.cli", *args]
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
