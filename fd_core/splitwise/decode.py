@@ -45,6 +45,7 @@ class _Transfer:
     tried: list[str] = field(default_factory=list)   # instance ids asked so far
     written: set[int] = field(default_factory=set)  # block indexes written in this attempt
     unplaced_since: float | None = None  # no prefill instance to ask since (monotonic)
+    first_block: float | None = None     # when this attempt's first block arrived (monotonic)
     last_failure: str | None = None
 
 
@@ -180,6 +181,8 @@ class DecodeSide(LinkedSide):
             raise ValueError(f"block index {index} of {transfer.request.request_id!r} is outside its "
                              f"{len(transfer.blocks)} reserved blocks")
         self.kv.write(transfer.blocks[index], buffers)
+        if transfer.first_block is None:
+            transfer.first_block = time.monotonic()
         transfer.written.add(index)
         self._counters["blocks_received"] += 1
         self._counters["bytes_received"] += sum(b.nbytes for b in buffers)
@@ -199,8 +202,11 @@ class DecodeSide(LinkedSide):
             if self._transfers.pop(request_id, None) is None:
                 return   # cancelled meanwhile: the ACK lets the prefill side free its blocks anyway
             self._arrived.append((transfer.request, token))
+            now = time.monotonic()
             self._counters["transfers_done"] += 1
-            self._counters["transfer_ms_total"] += int(1000 * (time.monotonic() - transfer.started))
+            self._counters["handoff_ms"] += int(1000 * (now - transfer.started))
+            self._counters["kv_receive_us"] += int(1e6 * (now - (transfer.first_block or now)))
+            self._counters["kv_prompt_tokens"] += transfer.request.num_prompt_tokens
         self._wake_engine()
 
     def _ask_next(self, transfer: _Transfer, failure: str | None) -> None:
@@ -232,6 +238,7 @@ class DecodeSide(LinkedSide):
                 transfer.peer = peer
                 transfer.tried.append(peer.instance_id)
                 transfer.written.clear()
+                transfer.first_block = None
                 transfer.heard = time.monotonic()
         if peer is None:
             self._wake_engine()
