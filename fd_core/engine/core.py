@@ -232,8 +232,10 @@ class EngineCore:
         self._tell(self.scheduler, "close")
 
     def fail_in_flight(self, error: str) -> list[RequestOutput]:
-        """End every admitted request with ``error`` (after a failed step); returns their outputs."""
-        return self._end([(request, FinishReason.ERROR, error, None) for request in self._in_engine.values()])
+        """End every admitted request with ``error`` (after a failed step); returns their outputs.
+        Requests whose KV the hand-off is shipping are left to it."""
+        return self._end([(request, FinishReason.ERROR, error, None) for request in self._in_engine.values()
+                          if not self.handoff.holds(request.request_id)])
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -312,6 +314,7 @@ class EngineCore:
             self._unrouted.add(request.request_id)
             self._in_engine[request.request_id] = request
             self.resource_manager.add_request(request)
+            self.hooks.fd_request_added(request=request)
         outputs = self._end([(request, reason, error, None) for request, reason, error in events.ends])
         if events.first_tokens:
             outputs += self._first_tokens(events.first_tokens)

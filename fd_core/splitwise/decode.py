@@ -100,6 +100,16 @@ class DecodeSide(LinkedSide):
         figures["waiting_for_blocks"] = len(self._waiting_for_room)
         return figures
 
+    def close(self) -> None:
+        """Tell the prefill side of every open hand-off to free its blocks, then stop."""
+        if self._link.closed:
+            return
+        with self._lock:
+            transfers = list(self._transfers.values())
+        for transfer in transfers:
+            self._cancel(transfer.request.request_id, "the decode instance is shutting down")
+        super().close()
+
     def _reserve_waiting(self) -> None:
         """Reserve blocks for waiting requests in order; the first that does not fit waits on."""
         while self._waiting_for_room:

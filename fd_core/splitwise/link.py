@@ -52,9 +52,14 @@ class Link:
         self._calls.put(fn)
         self.connector.wake()
 
+    @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
     def close(self) -> None:
-        """Stop the thread, then close the connector; a second call does nothing."""
-        if self._stop.is_set():
+        """Stop the thread (after the calls queued so far), then close the connector; a second
+        call does nothing."""
+        if self.closed:
             return
         self._stop.set()
         self.connector.wake()
@@ -76,6 +81,10 @@ class Link:
                     next_beat = now + self._heartbeat_s
             except Exception:  # one bad message or peer must not end every hand-off of this instance
                 log.exception("the hand-off thread failed on one message; it goes on")
+        try:
+            self._run_calls()   # what close() queued last (goodbyes to peers)
+        except Exception:
+            log.exception("the hand-off thread failed while stopping")
 
     def _run_calls(self) -> None:
         while True:

@@ -90,6 +90,20 @@ class PrefillSide(LinkedSide):
             self._link.call(lambda j=job, n=len(prompt_blocks), t=fields: self._send(
                 j.origin, protocol.DONE, id=j.remote_id, attempt=j.attempt, blocks=n, token=t))
 
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._shipping
+
+    def close(self) -> None:
+        """Tell every decode side with an open hand-off here to ask elsewhere, then stop."""
+        if self._link.closed:
+            return
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            self._link.call(lambda j=job: self._send(j.origin, protocol.ABORT, id=j.remote_id, attempt=j.attempt,
+                                                     reason="the prefill instance is shutting down"))
+        super().close()
+
     def forget(self, request_id: str) -> None:
         self._shipping.discard(request_id)
         with self._lock:
@@ -136,19 +150,23 @@ class PrefillSide(LinkedSide):
     def on_heartbeat(self, now: float) -> None:
         stalled, open_by_peer = [], {}
         with self._lock:
-            for job in list(self._jobs.values()):
+            for job in self._jobs.values():
                 if now - job.heard > self.settings.stall_timeout_s:
                     stalled.append(job)
-                    self._end(job, FinishReason.ABORT, "the decode side went silent (splitwise.stall_timeout_s)")
-                    self._counters["jobs_stalled"] += 1
                 else:
                     open_by_peer.setdefault(job.origin, []).append([job.remote_id, job.attempt])
-            load = sum(job.request.num_prompt_tokens for job in self._jobs.values())
         self._send_alive(open_by_peer)
         for job in stalled:
             self._send(job.origin, protocol.ABORT, id=job.remote_id, attempt=job.attempt,
                        reason="no message for splitwise.stall_timeout_s")
+            # drop what is still queued for it before the blocks are freed: a zero-copy send reads them
             self.connector.forget_peer(job.origin)
+        with self._lock:
+            for job in stalled:
+                if self._jobs.get(job.request.request_id) is job:
+                    self._end(job, FinishReason.ABORT, "the decode side went silent (splitwise.stall_timeout_s)")
+                    self._counters["jobs_stalled"] += 1
+            load = sum(job.request.num_prompt_tokens for job in self._jobs.values())
         if stalled:
             self._wake_engine()
         self.directory.report_load(load)

@@ -54,6 +54,11 @@ class EngineHandoff:
     def forget(self, request_id: str) -> None:
         """The core ended this request; drop (and abort) any hand-off of it."""
 
+    def holds(self, request_id: str) -> bool:
+        """True while the request's KV is being shipped: it ends only through the hand-off then
+        (a failed step does not end it; it needs no more compute)."""
+        return False
+
     def has_events(self) -> bool:
         """True when :meth:`poll` has something (so the loop must not sleep)."""
         return False
