@@ -1,4 +1,4 @@
-"""The ``fd-serve`` command: serve, check a config, or list plugins.
+"""The ``fd-serve`` command: serve, check a config, list plugins, or run the router.
 
 Every mistake a user can make on the command line (an unknown flag, a bad value, a config that
 cannot run) ends in one ``fd-serve: error: ...`` line per problem on stderr and exit code 2,
@@ -15,12 +15,22 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from fd_core.cli_usage import USAGE_EXIT, UsageError, check_config_flags, help_text, own_flags_parser
+from fd_core.cli_usage import (
+    USAGE_EXIT,
+    UsageError,
+    check_config_flags,
+    check_router_flags,
+    help_text,
+    own_flags_parser,
+    router_flags_parser,
+    router_help_text,
+)
 from fd_core.errors import FdError
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
     from fd_core.registry import Registry
+    from fd_core.router.config import RouterConfig
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fd-serve``; returns the process exit code."""
@@ -32,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
+    if argv[:1] == ["router"]:
+        return _router(argv[1:])
     command = "serve"
     if argv[:2] == ["plugins", "list"]:
         command, argv = "plugins-list", argv[2:]
@@ -59,6 +71,39 @@ def _run(argv: list[str]) -> int:
         for line in str(exc).splitlines():
             print(f"fd-serve: error: {line}", file=sys.stderr)
         return USAGE_EXIT
+
+
+def _router(argv: list[str]) -> int:
+    """``fd-serve router ...``: validate the router's config, then forward requests until stopped."""
+    try:
+        args, rest = router_flags_parser().parse_known_args(argv)
+        if args.help:
+            print(router_help_text())
+            return 0
+        check_router_flags(rest)
+    except UsageError as exc:
+        print(f"fd-serve: error: {exc} (see fd-serve router --help)", file=sys.stderr)
+        return USAGE_EXIT
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = _load_router(args, rest)
+    except FdError as exc:
+        for line in str(exc).splitlines():
+            print(f"fd-serve: error: {line}", file=sys.stderr)
+        return USAGE_EXIT
+    if args.check:
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        print("config OK", file=sys.stderr)
+        return 0
+    from fd_core.router.main import serve_router
+
+    return serve_router(config)
+
+
+def _load_router(args: argparse.Namespace, rest: list[str]) -> RouterConfig:
+    from fd_core.router.config import load_router_config
+
+    return load_router_config(args.config, cli_args=rest)
 
 
 def _version() -> str:

@@ -1,0 +1,60 @@
+"""The router's HTTP endpoints: the two generation routes, models, health and metrics.
+
+Generation requests and ``/v1/models`` are forwarded (:mod:`fd_core.router.forward`);
+``/health`` and ``/metrics`` are the router's own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from fd_core.router.body import read_body
+from fd_core.router.metrics import CONTENT_TYPE
+
+if TYPE_CHECKING:
+    from fd_core.router.app import RouterState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.fd_router
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 ``ok`` while some backend can take requests, else 503 ``unavailable``; both list every backend."""
+    pool = _state(request).pool
+    available = pool.available
+    body: dict[str, Any] = {"status": "ok" if available else "unavailable",
+                            "backends": [backend.public() for backend in pool.backends]}
+    return JSONResponse(body, status_code=200 if available else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    return await _state(request).forwarder.forward(request, "GET", "/v1/models", None)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _generate(request, "/v1/completions")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, "/v1/chat/completions")
+
+
+async def _generate(request: Request, path: str) -> Response:
+    state = _state(request)
+    limit = state.settings.max_body_bytes
+    return await state.forwarder.generate(request, path, lambda: read_body(request, limit))
