@@ -203,7 +203,7 @@ def _check_splitwise(config: FdConfig, selection: Selection) -> Problems:
     origin = _from_env(config, "splitwise.role")
     connector = config.connector.name
     if role == "mixed":
-        if connector == NO_CONNECTOR:
+        if "connector" not in selection.plugins:   # none, or one that failed to load (reported already)
             return []
         return [("connector.name", f"{connector!r} is selected, but splitwise.role is 'mixed'{origin}: only prefill "
                                    f"and decode instances use a connector; set splitwise.role or connector.name = "

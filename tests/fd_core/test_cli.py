@@ -29,7 +29,7 @@ MISTAKES = [
     (["--check", "--model.dtype", "float16"], "model.dtype: 'float16' is not supported by platform 'cpu'"),
     (["--check", "--parallel.tensor_parallel_size", "4"],
      "parallel.tensor_parallel_size: 4 is not supported yet: only 1 runs"),
-    (["--check", "--connector.name", "zmq"], "connector.name: plugin fd.connectors/zmq: no such connector"),
+    (["--check", "--connector.name", "nccl"], "connector.name: plugin fd.connectors/nccl: no such connector"),
     (["--check", "--connector.options", '{"port": 1}'], "connector.options: given, but connector.name is 'none'"),
     (["--check", "--server.api_key", ""], "server.api_key: must not be empty or blank"),
     (["--check", "--server.api_key", "   "], "server.api_key: must not be empty or blank"),
