@@ -21,6 +21,7 @@ from tests.fd_core.server.conftest import TINY_ARGS, ServerProcess, start_server
 from tests.fd_core.server.test_lifecycle import read_stream
 from tests.fd_core.server.test_pool import PROMPTS, _wait_for
 from tests.fd_core.server.test_requests import metric, metrics
+from tests.fd_core.router.conftest import RouterProcess
 
 MAX_TOKENS = 24
 #: Short hand-off timers, so that a dead peer is given up within a few seconds.
@@ -66,8 +67,13 @@ def wait_blocks_free(*servers: ServerProcess, timeout: float = 15.0) -> None:
 def test_a_prefill_decode_pair_answers_like_one_mixed_engine(tiny_model, redis, tmp_path, reference, connector):
     prefill = start_role(tmp_path, tiny_model, redis, "prefill", connector, topic=connector)
     decode = start_role(tmp_path, tiny_model, redis, "decode", connector, topic=connector)
+    router = RouterProcess([prefill.url, decode.url], tmp_path / "router.log")
     try:
-        client = openai.OpenAI(base_url=decode.url + "/v1", api_key="unused", max_retries=0)
+        router.wait_answering()
+        _wait_for(lambda: router.health()["status"] == "ok", "the router sees the decode instance")
+        assert {b["url"]: b["role"] for b in router.health()["backends"]} == {prefill.url: "prefill",
+                                                                                decode.url: "decode"}
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
 
         def complete(i: int) -> str:
@@ -89,7 +95,12 @@ def test_a_prefill_decode_pair_answers_like_one_mixed_engine(tiny_model, redis, 
         assert metric(on_prefill, "fd_splitwise_jobs_done_total") == 2 * len(PROMPTS)
         assert metric(on_prefill, "fd_splitwise_connector_bytes_sent_total") > 0
         assert metric(on_decode, "fd_prompt_tokens_total") == 0   # no prompt computed on the decode side
+        on_router = metrics(router.url)   # every request went to the decode instance, none to the prefill one
+        assert metric(on_router, "fd_router_requests_total", f'{{backend="{decode.url}",outcome="ok"}}') \
+            >= 2 * len(PROMPTS)   # (and /v1/models)
+        assert metric(on_router, "fd_router_requests_total", f'{{backend="{prefill.url}",outcome="ok"}}') == 0
     finally:
+        router.stop()
         decode.stop()
         prefill.stop()
 
@@ -105,21 +116,25 @@ def _kill(server: ServerProcess) -> None:
 def test_a_killed_decode_instance_fails_its_clients_and_frees_the_prefill_side(tiny_model, redis, tmp_path):
     prefill = start_role(tmp_path, tiny_model, redis, "prefill", "zmq", topic="kill-d")
     decode = start_role(tmp_path, tiny_model, redis, "decode", "zmq", topic="kill-d")
+    router = RouterProcess([decode.url], tmp_path / "router.log")
     try:
+        router.wait_answering()
+        _wait_for(lambda: router.health()["status"] == "ok", "the router sees the decode instance")
         body = {"prompt": list(range(20, 260)), "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         starts = [threading.Event() for _ in range(6)]
         with ThreadPoolExecutor(6) as workers:
-            futures = [workers.submit(read_stream, decode.url, body, started) for started in starts]
+            futures = [workers.submit(read_stream, router.url, body, started) for started in starts]
             assert starts[0].wait(60)
             killed_at = time.monotonic()
             _kill(decode)
-            for future in futures:   # every client hears of it promptly: the connection ends
-                with pytest.raises(Exception):
-                    future.result(timeout=30)
-            assert time.monotonic() - killed_at < 30
+            streams = [future.result(timeout=30) for future in futures]
+            assert time.monotonic() - killed_at < 30   # every client hears of it promptly
+        for events in streams:   # an error event naming the backend, then [DONE]
+            assert events[-1] == "[DONE]" and '"error"' in events[-2] and decode.url in events[-2], events[-3:]
         wait_blocks_free(prefill, timeout=20)   # stall_timeout_s (2 s) after the decode side went silent
         assert metric(metrics(prefill.url), "fd_splitwise_jobs_open") == 0
     finally:
+        router.stop()
         decode.stop()
         prefill.stop()
 
