@@ -22,6 +22,8 @@ from fd_core.splitwise.roles import HandoffEvents
 from fd_core.splitwise.side import LinkedSide
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from fd_core.contracts.connector import Delivery
     from fd_core.contracts.resource_manager import ResourceManager
     from fd_core.contracts.scheduler import PeerInfo
@@ -270,8 +272,25 @@ class DecodeSide(LinkedSide):
         return min(candidates, key=lambda p: (p.load + loads.get(p.instance_id, 0), p.instance_id), default=None)
 
     def _fits(self, peer: PeerInfo) -> bool:
-        return (peer.connector == self.me.connector and peer.layout == self.me.layout
-                and (not self.connector.same_host_only or peer.host == self.me.host))
+        return self._mismatch(peer) is None
+
+    def _mismatch(self, peer: PeerInfo) -> str | None:
+        """Why ``peer`` cannot compute prompts for this instance, or None."""
+        if peer.connector != self.me.connector:
+            return f"{peer.instance_id} uses connector {peer.connector!r}, this instance {self.me.connector!r}"
+        if peer.layout != self.me.layout:
+            return f"{peer.instance_id} has KV layout {peer.layout}, this instance {self.me.layout}"
+        if self.connector.same_host_only and peer.host != self.me.host:
+            return f"{peer.instance_id} runs on another host, and connector {self.me.connector!r} is same-host only"
+        return None
+
+    def start(self, wake_engine: Callable[[], None]) -> None:
+        """Join, then say (in the log) why any registered prefill instance cannot pair with this one."""
+        super().start(wake_engine)
+        for peer in self.directory.peers("prefill"):
+            mismatch = self._mismatch(peer)
+            if mismatch is not None:
+                log.warning("prefill instance %s", mismatch)
 
     def _no_peer_reason(self, transfer: _Transfer) -> str:
         failure = transfer.last_failure
@@ -279,5 +298,7 @@ class DecodeSide(LinkedSide):
             return (f"the prompt could not be computed by a prefill instance after {len(transfer.tried)} "
                     f"attempt(s) (splitwise.max_prefill_attempts); last: {failure}")
         where = " on this host" if self.connector.same_host_only else ""
+        unfit = [m for m in map(self._mismatch, self.directory.peers("prefill")) if m is not None]
         return (f"no live prefill instance with connector {self.me.connector!r} and this KV layout is "
-                f"registered{where}; start one with splitwise.role = 'prefill'")
+                f"registered{where}; start one with splitwise.role = 'prefill'"
+                + (f" (registered but unfit: {'; '.join(unfit)})" if unfit else ""))

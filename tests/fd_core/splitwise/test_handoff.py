@@ -185,3 +185,23 @@ def test_an_abort_on_the_decode_side_frees_the_prefill_side(tiny_model_dir, pair
     _drain_blocks([prefill, decode])
     final = [o for o in decode.get_results(timeout=0) if o.finished]
     assert final and final[-1].finish_reason.value == "abort"
+
+
+def test_an_instance_of_another_kv_layout_is_never_paired_and_the_error_says_why(tiny_model_dir, redis_server):
+    prefill = build_engine(_config(tiny_model_dir, redis_server.url, "prefill",
+                                   cache={"num_blocks": 64, "block_size": 16}))
+    decode = build_engine(_config(tiny_model_dir, redis_server.url, "decode"))   # block_size 8
+    try:
+        decode.add_request(Request("r", PROMPTS[1], SamplingParams(max_tokens=4)))
+        outputs = []
+        deadline = time.monotonic() + 10
+        while not outputs:
+            assert time.monotonic() < deadline
+            decode.step()
+            outputs += decode.get_results(timeout=0.01)
+        assert outputs[-1].finish_reason.value == "error"
+        assert "registered but unfit" in outputs[-1].error and "block_size=16" in outputs[-1].error
+        assert prefill.stats().splitwise.get("jobs_received", 0) == 0
+    finally:
+        decode.close()
+        prefill.close()
