@@ -139,9 +139,9 @@ def test_a_misspelt_hook_is_reported_naming_the_plugin(tmp_path):
 
 
 def test_a_named_connector_that_is_not_installed_lists_the_choices():
-    result = run_fd_serve("--check", "--connector.name", "zmq")
+    result = run_fd_serve("--check", "--connector.name", "nccl")
     assert result.returncode == 2
-    assert "connector.name: plugin fd.connectors/zmq: no such connector; available: none" in result.stderr
+    assert "connector.name: plugin fd.connectors/nccl: no such connector; available: none, shm, zmq" in result.stderr
 
 
 def test_disabled_plugin_is_not_imported(tmp_path):
