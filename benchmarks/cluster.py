@@ -124,7 +124,7 @@ def main() -> None:
 
                 run(workload[:4])   # warm-up
                 names = ("fd_scheduler_redis_round_trips_total", "fd_scheduler_served_for_peers_total",
-                         "fd_splitwise_connector_bytes_received_total", "fd_splitwise_kv_receive_us_total",
+                         "fd_splitwise_bytes_received_total", "fd_splitwise_kv_receive_us_total",
                          "fd_splitwise_kv_prompt_tokens_total")
 
                 def totals() -> list[float]:
