@@ -189,6 +189,12 @@ class PluginsSection(_Section):
 
     strict: bool = Field(False, description="Any plugin that fails to load stops start-up.")
     disabled: list[str] = Field(default_factory=list, description="'group/name' entries never imported.")
+    hooks: list[str] | None = Field(None, description=(
+        "Hook plugins (fd.plugins entry points, by name) to register; the others installed are listed but not "
+        "imported. Unset: every installed one."))
+    trace_hooks: bool = Field(False, description=(
+        "Count calls, errors and time of every hook implementation; /metrics exports them as fd_hook_* "
+        "(labels hook, plugin)."))
 
 
 class _Origins:

@@ -119,17 +119,23 @@ class Registry:
     # --- construction ------------------------------------------------------------------------
 
     @classmethod
-    def discover(cls, *, strict: bool = False, disabled: Iterable[str] = ()) -> Registry:
+    def discover(cls, *, strict: bool = False, disabled: Iterable[str] = (),
+                 hooks: Iterable[str] | None = None) -> Registry:
         """Read entry points of every group; import and register the general plugins only.
 
         ``disabled`` holds ``group/name`` strings; such plugins are listed but never imported.
+        ``hooks`` (``plugins.hooks``), when given, names the general plugins to register; the
+        other installed ones are listed as disabled and never imported.
         """
         blocked = set(disabled)
         records: list[PluginRecord] = []
         for seam, group in SEAM_GROUPS.items():
             records.extend(_records_for(seam, group, blocked))
         registry = cls(records, strict=strict)
+        allowed = None if hooks is None else {name.removeprefix(f"{GENERAL_GROUP}/") for name in hooks}
         for record in _records_for("general", GENERAL_GROUP, blocked):
+            if allowed is not None and record.status != DISABLED and record.name not in allowed:
+                record.status, record.reason = DISABLED, "not in plugins.hooks"
             registry._add_general(record)
         registry._check_pending()
         registry._collect_registered_classes()

@@ -81,10 +81,11 @@ def resolve(config: FdConfig, registry: Registry | None = None, *, apply_worker_
     with contextlib.suppress(ImportError):  # without Paddle, the platforms' detect() says so
         import_paddle()  # the platform probes import it: do it once, without its noise
     if registry is None:
-        registry = Registry.discover(strict=config.plugins.strict, disabled=config.plugins.disabled)
+        registry = Registry.discover(strict=config.plugins.strict, disabled=config.plugins.disabled,
+                                     hooks=config.plugins.hooks)
     registry.check_strict()
     selection = Selection(registry)
-    problems: Problems = []
+    problems: Problems = _check_hooks_allowed(config, registry)
     for seam in SEAM_GROUPS:
         try:
             _select(config, selection, seam, apply_worker_env=apply_worker_env)
@@ -164,6 +165,18 @@ def _validate_options(config: FdConfig, seam: str, cls: type, options: dict[str,
 def _from_env(config: FdConfig, key: str) -> str:
     var = config.env_var_of(key)
     return f" (from {var})" if var else ""
+
+
+def _check_hooks_allowed(config: FdConfig, registry: Registry) -> Problems:
+    """Every name in ``plugins.hooks`` is an installed hook plugin (a typo would enable nothing)."""
+    if config.plugins.hooks is None:
+        return []
+    installed = {record.name for record in registry.records("general")}
+    unknown = sorted({name.removeprefix("fd.plugins/") for name in config.plugins.hooks} - installed)
+    if not unknown:
+        return []
+    return [("plugins.hooks", f"no installed hook plugin (fd.plugins entry point) is named {', '.join(map(repr, unknown))}; "
+                              f"installed: {', '.join(sorted(installed)) or 'none'}{_from_env(config, 'plugins.hooks')}")]
 
 
 def _check_model_source(config: FdConfig) -> Problems:

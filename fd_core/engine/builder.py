@@ -110,9 +110,15 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     model_name = config.model.served_name or config.model.source
     handoff = build_handoff(config, selection, scheduler=scheduler, resource_manager=resource_manager,
                             runner=runner, model_name=model_name)
+    tracer = None
+    if config.plugins.trace_hooks:   # last: every hook implementation is registered by now
+        from fd_core.hook_trace import HookTracer
+
+        tracer = HookTracer()
+        tracer.install(selection.registry.plugin_manager)
     core = EngineCore(scheduler=scheduler, resource_manager=resource_manager, token_processor=token_processor,
                       runner=runner, limits=limits, hooks=hooks, tokenizer=loaded.tokenizer,
-                      model_name=model_name, config=config, handoff=handoff)
+                      model_name=model_name, config=config, handoff=handoff, hook_tracer=tracer)
     handoff.start(core.wake)
     return core
 
@@ -139,6 +145,25 @@ def _max_model_len(config: FdConfig, arch: LlamaArchConfig) -> int:
     return wanted
 
 
+def _pool_too_small(platform: Platform, utilization: float, budget: int, weights_bytes: int, fits: int,
+                    blocks_per_seq: int, max_model_len: int) -> ConfigError:
+    """The error of a KV pool that cannot hold one full-length request, naming the knob that
+    limited it: the platform's own cap (it answered below the memory profile), else the share."""
+    from fd_core.contracts.platform import Platform as PlatformContract
+
+    by_profile = PlatformContract.kv_cache_memory_bytes(platform, utilization=utilization, weights_bytes=weights_bytes,
+                                                        activation_reserve_bytes=ACTIVATION_RESERVE_BYTES)
+    need = f"{fits} blocks, but one {max_model_len}-token request needs {blocks_per_seq}"
+    if budget < by_profile:
+        return ConfigError("platform.options", (
+            f"platform {platform.name!r} allows {budget >> 20} MiB for the KV cache ({need}), less than "
+            f"cache.memory_utilization = {utilization} would give ({by_profile >> 20} MiB): the platform's own "
+            f"limit applies; raise it in [platform.options], lower model.max_model_len, or set cache.num_blocks"))
+    return ConfigError("cache.memory_utilization", (
+        f"{utilization} leaves {budget >> 20} MiB for the KV cache: {need}; raise it, lower "
+        f"model.max_model_len, or set cache.num_blocks"))
+
+
 def plan_kv_pool(config: FdConfig, arch: LlamaArchConfig, platform: Platform, *, max_model_len: int,
                  weights_bytes: int) -> KVPlan:
     """Number of KV blocks: ``cache.num_blocks`` if set, else what the memory profile allows.
@@ -161,10 +186,7 @@ def plan_kv_pool(config: FdConfig, arch: LlamaArchConfig, platform: Platform, *,
                                             activation_reserve_bytes=ACTIVATION_RESERVE_BYTES)
     fits = budget // per_block
     if fits < blocks_per_seq:
-        raise ConfigError("cache.memory_utilization", (
-            f"{utilization} leaves {budget >> 20} MiB for the KV cache: {fits} blocks, "
-            f"but one {max_model_len}-token request needs {blocks_per_seq}; raise it, lower "
-            f"model.max_model_len, or set cache.num_blocks"))
+        raise _pool_too_small(platform, utilization, budget, weights_bytes, fits, blocks_per_seq, max_model_len)
     cap = blocks_per_seq * config.engine.max_num_seqs
     source = f"profile: {budget >> 20} MiB for KV, capped at {cap} blocks for engine.max_num_seqs"
     if config.cache.memory_utilization is None and platform.device_string() == "cpu":

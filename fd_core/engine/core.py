@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from fd_core.contracts.resource_manager import KVLimits, KVStats, ResourceManager
     from fd_core.contracts.scheduler import Scheduler
     from fd_core.contracts.token_processor import TokenProcessor
+    from fd_core.hook_trace import HookTracer
     from fd_core.outputs import SampledToken
     from fd_core.runner.model_runner import ModelRunner
 
@@ -73,6 +74,7 @@ class EngineStats:
     num_generated_tokens: int
     scheduler: dict[str, Any]       # the scheduler's own figures (Scheduler.stats), now
     splitwise: dict[str, Any]       # the hand-off's counters (prefill and decode instances)
+    hooks: list[dict[str, Any]]     # per hook implementation: calls, errors, seconds (plugins.trace_hooks)
 
 
 class EngineCore:
@@ -81,8 +83,9 @@ class EngineCore:
     def __init__(self, *, scheduler: Scheduler, resource_manager: ResourceManager,
                  token_processor: TokenProcessor, runner: ModelRunner | Any, limits: KVLimits,
                  hooks: Any, tokenizer: Any, model_name: str, config: FdConfig | None = None,
-                 handoff: EngineHandoff = MIXED) -> None:
-        """``handoff``: this instance's part in prefill/decode hand-offs (``fd_core.splitwise``)."""
+                 handoff: EngineHandoff = MIXED, hook_tracer: HookTracer | None = None) -> None:
+        """``handoff``: this instance's part in prefill/decode hand-offs (``fd_core.splitwise``);
+        ``hook_tracer``: per-hook figures for :meth:`stats` (``plugins.trace_hooks``)."""
         self.config = config
         self.scheduler = scheduler
         self.resource_manager = resource_manager
@@ -93,6 +96,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.handoff = handoff
+        self._hook_tracer = hook_tracer
         self._aborts: deque[str] = deque()       # ids queued by other threads
         self._in_engine: dict[str, Request] = {} # left the scheduler, not ended (engine thread only)
         self._live: set[str] = set()             # accepted, final output not yet taken (any thread)
@@ -224,7 +228,8 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """Counters as of the end of the last step, the scheduler's and the hand-off's as of now;
         safe from any thread."""
-        return dataclasses.replace(self._stats, scheduler=self._scheduler_stats(), splitwise=self.handoff.stats())
+        return dataclasses.replace(self._stats, scheduler=self._scheduler_stats(), splitwise=self.handoff.stats(),
+                                   hooks=self._hook_tracer.snapshot() if self._hook_tracer is not None else [])
 
     def close(self) -> None:
         """Release the seams' connections and threads (hand-off, scheduler); once, after :meth:`run`."""
@@ -241,7 +246,7 @@ class EngineCore:
 
     def _collect_stats(self) -> EngineStats:
         return EngineStats(self.resource_manager.stats(), self.scheduler.num_waiting(), self._num_steps,
-                           self._num_prompt_tokens, self._num_generated_tokens, {}, {})
+                           self._num_prompt_tokens, self._num_generated_tokens, {}, {}, [])
 
     def _scheduler_stats(self) -> dict[str, Any]:
         try:

@@ -59,6 +59,7 @@ class _EngineCollector(Collector):
         yield from _scheduler_metrics(stats.get("scheduler") or {})
         yield from _figure_metrics("fd_splitwise", "Prefill/decode hand-off", stats.get("splitwise") or {},
                                    gauges=_SPLITWISE_GAUGES)
+        yield from _hook_metrics(stats.get("hooks") or [])
         if "ranks" in stats:
             yield from _rank_metrics(stats["ranks"])
             yield CounterMetricFamily("fd_dp_requests_continued", "Requests continued on another rank after "
@@ -72,6 +73,20 @@ _SCHEDULER_COUNTERS: Final = frozenset({"served_for_peers", "taken_by_peers", "l
 
 #: Hand-off figures that go up and down (the others only grow).
 _SPLITWISE_GAUGES: Final = frozenset({"transfers_open", "waiting_for_blocks", "jobs_open", "jobs_queued"})
+
+
+def _hook_metrics(traced: list[dict[str, Any]]) -> Iterator[Metric]:
+    """``fd_hook_{calls,errors,seconds}_total{hook,plugin}`` (``plugins.trace_hooks``)."""
+    if not traced:
+        return
+    families = {key: CounterMetricFamily(f"fd_hook_{key}", help_text, labels=["hook", "plugin"]) for key, help_text in (
+        ("calls", "Calls of a hook implementation."),
+        ("errors", "Calls of a hook implementation that raised."),
+        ("seconds", "Time spent in a hook implementation."))}
+    for figures in traced:
+        for key, family in families.items():
+            family.add_metric([figures["hook"], figures["plugin"]], figures[key])
+    yield from families.values()
 
 
 def _rank_metrics(ranks: list[dict[str, Any]]) -> Iterator[Metric]:

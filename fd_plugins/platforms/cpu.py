@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import ClassVar, Final, Literal
+from typing import Any, ClassVar, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -66,9 +66,19 @@ class CpuPlatform(Platform):
     settings_model: ClassVar[type[BaseModel] | None] = CpuSettings
     priority: ClassVar[int] = 0
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass (a CPU-based platform plugin) keeps :class:`CpuSettings`' keys, which every
+        method here reads: its settings model must subclass it (refused at import otherwise)."""
+        super().__init_subclass__(**kwargs)
+        model = cls.__dict__.get("settings_model")
+        if model is not None and not issubclass(model, CpuSettings):
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__}.settings_model must subclass CpuSettings "
+                            "(CpuPlatform reads its num_threads and kernels)")
+
     def __init__(self, settings: BaseModel | None = None) -> None:
         super().__init__(settings if settings is not None else CpuSettings())
-        assert isinstance(self.settings, CpuSettings)
+        if not isinstance(self.settings, CpuSettings):
+            raise TypeError(f"{type(self).__name__} needs CpuSettings (or a subclass), got {type(self.settings).__name__}")
         self.features = cpu_features.probe_cpu_features()
         self.capabilities = cpu_capabilities(self.features, self.settings.kernels)
 
@@ -88,7 +98,6 @@ class CpuPlatform(Platform):
 
     def num_threads(self) -> int:
         """``num_threads`` or every CPU this process may run on."""
-        assert isinstance(self.settings, CpuSettings)
         return self.settings.num_threads or len(os.sched_getaffinity(0))
 
     def worker_env(self) -> dict[str, str]:
@@ -99,7 +108,6 @@ class CpuPlatform(Platform):
         On an AMD CPU with AVX2 (unless ``kernels = "portable"``) ``MKL_DEBUG_CPU_TYPE=5`` selects
         that path; the MKL-ML build Paddle ships honours it (newer MKL releases ignore it).
         """
-        assert isinstance(self.settings, CpuSettings)
         env = dict.fromkeys(_THREAD_VARS, str(self.num_threads()))
         if (self.settings.kernels == "auto" and self.features.vendor == "AuthenticAMD"
                 and "avx2" in self.features.present):

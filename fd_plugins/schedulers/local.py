@@ -43,6 +43,9 @@ class LocalScheduler(Scheduler):
     name: ClassVar[str] = "local"
     fd_hookspec_version: ClassVar[int] = 3
     settings_model: ClassVar[type[BaseModel]] = LocalSchedulerSettings
+    #: The config key that sets ``max_queue_size``, named by the queue-full error; a subclass
+    #: that bounds its queue by a setting of its own names that key here.
+    queue_limit_key: ClassVar[str] = "server.max_queue_size"
 
     def __init__(self, settings: LocalSchedulerSettings | None, *, hooks: Any, max_queue_size: int) -> None:
         super().__init__(settings or LocalSchedulerSettings(), hooks=hooks, max_queue_size=max_queue_size)
@@ -57,8 +60,8 @@ class LocalScheduler(Scheduler):
     def put_request(self, request: Request) -> None:
         with self._lock:
             if len(self._waiting) >= self.max_queue_size:
-                raise QueueFullError(
-                    f"request queue is full ({self.max_queue_size} waiting; raise server.max_queue_size or retry)")
+                raise QueueFullError(f"request queue is full ({self.max_queue_size} waiting; raise "
+                                     f"{self.queue_limit_key} or retry)")
             self._waiting.append(request)
             self._has_requests.notify()
 
@@ -105,11 +108,13 @@ class LocalScheduler(Scheduler):
             self._has_results.notify_all()
 
     def admission_order(self, waiting: list[Request], now: float) -> list[Request]:
-        """Order of admission: the ``fd_order_waiting`` hook's answer, else :func:`fair_fifo`.
+        """Order of admission: the ``fd_order_waiting`` hooks' answer, else :meth:`default_order`.
 
-        Subclasses may override it; it runs with the queue lock held and must return a
-        permutation of ``waiting``. A hook that raises or answers anything else is reported once
-        and the default order is used (see :class:`~fd_core.plugin_guard.DecisionHooks`).
+        Runs with the queue lock held. Hooks take precedence over a subclass's default (a
+        subclass overrides :meth:`default_order`; overriding this method is refused when the
+        class is defined, since it would silently bypass every hook). A hook that raises or
+        answers anything but a permutation is reported once and the default is used (see
+        :class:`~fd_core.plugin_guard.DecisionHooks`).
         """
 
         def is_permutation(answer: Any) -> str | None:
@@ -120,7 +125,23 @@ class LocalScheduler(Scheduler):
             return None if same else "is not a permutation of the waiting requests"
 
         ordered = self._decisions.call("fd_order_waiting", is_permutation, waiting=list(waiting), now=now)
-        return fair_fifo(waiting) if ordered is None else list(ordered)
+        return self.default_order(waiting, now) if ordered is None else list(ordered)
+
+    def default_order(self, waiting: list[Request], now: float) -> list[Request]:
+        """The order when no hook answers: :func:`fair_fifo`. Subclasses may override it; it must
+        return a permutation of ``waiting`` (it runs with the queue lock held)."""
+        return fair_fifo(waiting)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse the two ways a subclass used to break this class silently (issue 13)."""
+        super().__init_subclass__(**kwargs)
+        if "admission_order" in cls.__dict__:
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__} overrides admission_order, which would bypass "
+                            "every fd_order_waiting hook; override default_order instead")
+        model = cls.__dict__.get("settings_model")
+        if model is not None and not issubclass(model, LocalSchedulerSettings):
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__}.settings_model must subclass "
+                            f"LocalSchedulerSettings (this class reads its ttl_s)")
 
     def _expire(self, now: float) -> None:
         """Answer queued requests older than the TTL (lock held)."""

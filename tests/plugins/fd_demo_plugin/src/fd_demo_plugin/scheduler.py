@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 import fd_core
-from fd_plugins.schedulers.local import LocalScheduler
+from fd_plugins.schedulers.local import LocalScheduler, LocalSchedulerSettings
 
 
-class LifoSettings(BaseModel):
-    """Options of the demo scheduler (``[scheduler.options]``)."""
+class LifoSettings(LocalSchedulerSettings):
+    """Options of the demo scheduler (``[scheduler.options]``): the local queue's, and one more."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    ttl_s: float = Field(600.0, gt=0)
     greeting: str = "hello"
 
 
@@ -26,5 +23,5 @@ class LifoScheduler(LocalScheduler):
     fd_hookspec_version: ClassVar[int] = fd_core.FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel]] = LifoSettings
 
-    def admission_order(self, waiting, now):
+    def default_order(self, waiting, now):
         return sorted(waiting, key=lambda r: r.arrival_time, reverse=True)

@@ -1,0 +1,123 @@
+"""The documented extension points refuse the misuses a plugin author hit, naming what to do:
+hooks beat a subclass's order, settings models keep their base's keys, limits name their knob;
+the hooks allow-list and hook tracing."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+from pydantic import BaseModel
+
+import fd_core
+from fd_core.config import load_config
+from fd_core.errors import ConfigError, QueueFullError
+from fd_core.hook_trace import HookTracer
+from fd_core.registry import Registry
+from fd_core.request import Request
+from fd_core.selection import resolve
+from fd_plugins.platforms.cpu import CpuPlatform, CpuSettings
+from fd_plugins.schedulers.local import LocalScheduler, LocalSchedulerSettings
+from tests.fd_core.engine.test_builder import ARCH
+
+
+class _Reverse:
+    fd_hookspec_version = fd_core.FD_HOOKSPEC_VERSION
+
+    @fd_core.hookimpl
+    def fd_order_waiting(self, waiting, now):
+        return list(reversed(waiting))
+
+
+def test_overriding_admission_order_is_refused_at_class_definition():
+    with pytest.raises(TypeError, match="overrides admission_order, which would bypass every fd_order_waiting hook; "
+                                        "override default_order instead"):
+        class Bad(LocalScheduler):   # noqa: F841
+            def admission_order(self, waiting, now):
+                return waiting
+
+
+def test_hooks_take_precedence_over_a_subclass_default_order():
+    class Shortest(LocalScheduler):
+        def default_order(self, waiting, now):
+            return sorted(waiting, key=lambda r: r.num_prompt_tokens)
+
+    requests = [Request(f"r{n}", [1] * n) for n in (3, 1, 2)]
+    plain = Shortest(None, hooks=Registry.from_plugins({}).hooks, max_queue_size=8)
+    hooked = Shortest(None, hooks=Registry.from_plugins({}, general=[_Reverse()]).hooks, max_queue_size=8)
+    for scheduler in (plain, hooked):
+        for request in requests:
+            scheduler.put_request(request)
+    assert [r.request_id for r in plain.get_requests(3, timeout=0)] == ["r1", "r2", "r3"]
+    assert [r.request_id for r in hooked.get_requests(3, timeout=0)] == ["r2", "r1", "r3"]   # arrival, reversed
+
+
+def test_settings_models_must_keep_the_base_keys():
+    class Own(BaseModel):
+        greeting: str = "hi"
+
+    with pytest.raises(TypeError, match="settings_model must subclass LocalSchedulerSettings"):
+        type("BadScheduler", (LocalScheduler,), {"settings_model": Own})
+    with pytest.raises(TypeError, match="settings_model must subclass CpuSettings"):
+        type("BadPlatform", (CpuPlatform,), {"settings_model": Own})
+    type("GoodScheduler", (LocalScheduler,), {"settings_model": type("S", (LocalSchedulerSettings,), {})})
+    type("GoodPlatform", (CpuPlatform,), {"settings_model": type("C", (CpuSettings,), {})})
+
+
+def test_the_queue_full_error_names_the_plugins_own_limit():
+    class Capped(LocalScheduler):
+        queue_limit_key: ClassVar[str] = "scheduler.options.max_waiting"
+
+    scheduler = Capped(None, hooks=None, max_queue_size=1)
+    scheduler.put_request(Request("a", [1]))
+    with pytest.raises(QueueFullError, match="raise scheduler.options.max_waiting or retry"):
+        scheduler.put_request(Request("b", [1]))
+
+
+def test_a_kv_cap_of_the_platform_is_named_as_such():
+    class Capped(CpuPlatform):
+        def kv_cache_memory_bytes(self, *, utilization, weights_bytes, activation_reserve_bytes):
+            return 1 << 20
+
+    config = load_config(cache={"memory_utilization": 0.5})
+    with pytest.raises(ConfigError) as info:
+        from fd_core.engine.builder import plan_kv_pool
+
+        plan_kv_pool(config, ARCH, Capped(), max_model_len=4096, weights_bytes=0)
+    assert info.value.key == "platform.options" and "the platform's own limit applies" in str(info.value)
+
+
+def test_the_hooks_allow_list_registers_only_the_named_hook_plugins(demo_plugins):
+    everything = Registry.discover()
+    assert any(r.name == "priority-order" for r in everything.records("general") if r.status == "loaded")
+    only_none = Registry.discover(hooks=[])
+    assert all(r.status == "disabled" and r.reason == "not in plugins.hooks" for r in only_none.records("general"))
+    with pytest.raises(ConfigError, match="plugins.hooks: no installed hook plugin .* is named 'nope'"):
+        resolve(load_config(plugins={"hooks": ["nope"]}))
+    chosen = resolve(load_config(plugins={"hooks": ["fd.plugins/priority-order"]})).registry
+    assert [r.status for r in chosen.records("general") if r.name == "priority-order"] == ["loaded"]
+
+
+def test_hook_tracing_counts_calls_errors_and_time():
+    class Flaky:
+        fd_hookspec_version = fd_core.FD_HOOKSPEC_VERSION
+
+        def __init__(self):
+            self.calls = 0
+
+        @fd_core.hookimpl
+        def fd_request_added(self, request):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("boom")
+
+    registry = Registry.from_plugins({}, general=[Flaky()])
+    tracer = HookTracer()
+    tracer.install(registry.plugin_manager)
+    tracer.install(registry.plugin_manager)   # twice: still counted once per call
+    registry.hooks.fd_request_added(request=Request("a", [1]))
+    with pytest.raises(RuntimeError):
+        registry.hooks.fd_request_added(request=Request("b", [1]))
+    (figures,) = [f for f in tracer.snapshot() if f["hook"] == "fd_request_added"]
+    assert figures["plugin"] == "fd.plugins/Flaky" and figures["calls"] == 2 and figures["errors"] == 1
+    assert figures["seconds"] > 0
