@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "StepResult": "fd_core.outputs",
     "SampledToken": "fd_core.outputs",
     "Scheduler": "fd_core.contracts.scheduler",
+    "PeerDirectory": "fd_core.contracts.scheduler",
+    "PeerInfo": "fd_core.contracts.scheduler",
     "ResourceManager": "fd_core.contracts.resource_manager",
     "KVLimits": "fd_core.contracts.resource_manager",
     "KVStats": "fd_core.contracts.resource_manager",
@@ -74,7 +76,7 @@ if TYPE_CHECKING:
     from fd_core.contracts.connector import Connector, Delivery
     from fd_core.contracts.platform import DetectResult, MemoryProfile, Platform
     from fd_core.contracts.resource_manager import KVLimits, KVStats, ResourceManager
-    from fd_core.contracts.scheduler import Scheduler
+    from fd_core.contracts.scheduler import PeerDirectory, PeerInfo, Scheduler
     from fd_core.contracts.token_processor import TokenProcessor
     from fd_core.engine.async_llm import AsyncLLM
     from fd_core.engine.builder import build_engine

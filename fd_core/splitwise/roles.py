@@ -34,6 +34,9 @@ class EngineHandoff:
     role: ClassVar[str] = "mixed"
     name: ClassVar[str] = "splitwise"   # how failures name it (fd_core.plugin_guard.plugin_label)
 
+    def __repr__(self) -> str:
+        return f"<{self.role} hand-off>"
+
     def start(self, wake_engine: Callable[[], None]) -> None:
         """Begin taking part (bind, publish this instance); ``wake_engine`` wakes an idle loop."""
 
