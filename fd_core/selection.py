@@ -96,6 +96,7 @@ def resolve(config: FdConfig, registry: Registry | None = None, *, apply_worker_
     problems += _check_model_source(config)
     problems += _check_parallel(config)
     if "platform" in selection.plugins:
+        problems += _check_platform_answers(selection)
         problems += _check_dtype(config, selection)
     problems += _check_splitwise(config, selection)
     if "resource_manager" in selection.plugins:
@@ -196,6 +197,20 @@ def _check_parallel(config: FdConfig) -> Problems:
         return []
     return [("parallel.tensor_parallel_size", f"{size} is not supported yet: only {RUNNABLE_PARALLEL_SIZE} runs "
                                               f"in this version{_from_env(config, 'parallel.tensor_parallel_size')}")]
+
+
+def _check_platform_answers(selection: Selection) -> Problems:
+    """The platform answers what start-up asks of it (``--check`` would otherwise pass a platform
+    that fails only once the engine starts)."""
+    platform = selection.platform
+    assert platform is not None, "a selected platform is instantiated in _select"
+    for method in ("num_threads", "worker_env", "supported_dtypes", "device_string"):
+        try:
+            getattr(platform, method)()
+        except Exception as exc:
+            label = f"{selection['platform'].name} ({type(platform).__module__}:{type(platform).__qualname__})"
+            return [("platform.name", f"plugin {label}: {method}() raised {type(exc).__name__}: {exc}")]
+    return []
 
 
 def _check_dtype(config: FdConfig, selection: Selection) -> Problems:
