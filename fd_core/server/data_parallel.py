@@ -217,12 +217,26 @@ class _Placed:
     tokens: int   # prompt + max_tokens: its share of the rank's load
 
 
+def _sum_hook_figures(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (hook, plugin) figures of several ranks, summed."""
+    summed: dict[tuple[str, str], dict[str, Any]] = {}
+    for item in figures:
+        total = summed.setdefault((item["hook"], item["plugin"]), {"hook": item["hook"], "plugin": item["plugin"],
+                                                                   "calls": 0, "errors": 0, "seconds": 0.0})
+        for key in ("calls", "errors", "seconds"):
+            total[key] += item[key]
+    return list(summed.values())
+
+
 def _sum_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Numbers summed key by key (nested dicts too); anything else keeps the first value not None."""
+    """Numbers summed key by key (nested dicts too; the traced ``hooks`` by hook and plugin);
+    anything else keeps the first value not None."""
     merged: dict[str, Any] = {}
     for part in parts:
         for key, value in part.items():
-            if isinstance(value, dict):
+            if key == "hooks":
+                merged[key] = _sum_hook_figures(merged.get(key, []) + value)
+            elif isinstance(value, dict):
                 merged[key] = _sum_stats([merged.get(key, {}), value])
             elif isinstance(value, (int, float)) and not isinstance(value, bool) and key in merged:
                 merged[key] += value
