@@ -102,3 +102,13 @@ def test_the_offline_engine_refuses_data_parallel_naming_the_key(tiny_model) -> 
 
     with pytest.raises(ConfigError, match=r"parallel\.data_parallel_size: 2: an in-process engine is one rank"):
         LLM(str(tiny_model), parallel={"data_parallel_size": 2})
+
+
+def test_traced_hook_figures_of_the_ranks_are_summed_by_hook_and_plugin() -> None:
+    from fd_core.server.data_parallel import _sum_stats
+
+    rank = lambda calls, seconds: {"hooks": [{"hook": "fd_order_waiting", "plugin": "p", "calls": calls,  # noqa: E731
+                                              "errors": 0, "seconds": seconds}], "num_steps": calls}
+    merged = _sum_stats([rank(2, 0.5), rank(3, 0.25)])
+    assert merged["hooks"] == [{"hook": "fd_order_waiting", "plugin": "p", "calls": 5, "errors": 0, "seconds": 0.75}]
+    assert merged["num_steps"] == 5
