@@ -8,6 +8,7 @@ already have K/V in the cache; each step the resource manager schedules some of 
 from __future__ import annotations
 
 import enum
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Final
@@ -40,6 +41,27 @@ MAX_STOP_STRING_CHARS: Final = 256
 #: Most output tokens the ``n`` choices of one prompt may ask for together (``n * max_tokens``):
 #: 128 choices of a 2048-token context fit.
 MAX_CHOICE_TOKENS: Final = 2**18
+#: Range of ``Request.priority`` that the front doors (the OpenAI server, ``LLM``, ``AsyncLLM``)
+#: accept; lower runs first under a priority hook, 0 is the default (as in vLLM).
+MIN_PRIORITY: Final = -1000
+MAX_PRIORITY: Final = 1000
+
+
+def check_priority(value: object) -> int:
+    """``value`` as an int if it is a valid ``Request.priority``; ``ValueError`` naming ``priority`` otherwise.
+
+    Any integer type is taken (numpy's too); ``bool`` is not, since ``True`` as a priority is a bug.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError("bool")
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"priority: must be an integer, got {value!r}") from None
+    if not MIN_PRIORITY <= number <= MAX_PRIORITY:
+        raise ValueError(f"priority: must be between {MIN_PRIORITY} and {MAX_PRIORITY} (lower runs first), "
+                         f"got {number}")
+    return number
 
 
 @dataclass(slots=True)
@@ -113,7 +135,7 @@ class Request:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.time)
-    priority: int = 0                      # lower runs first under a priority order hook
+    priority: int = 0                      # lower runs first under a priority hook (check_priority)
     prompt: str | None = None              # the text, when the request came as text
     group_id: str | None = None            # shared by the sibling requests of one client call (n > 1)
     output_token_ids: list[int] = field(default_factory=list)

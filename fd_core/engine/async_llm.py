@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fd_core.errors import RequestError
-from fd_core.request import Request, SamplingParams
+from fd_core.request import Request, SamplingParams, check_priority
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
     from fd_core.engine.core import EngineCore
+    from fd_core.engine.llm import ModelArg
     from fd_core.outputs import RequestOutput
 
 #: How often the pump re-checks for shutdown while no output arrives, in seconds.
@@ -44,7 +45,7 @@ class AsyncLLM:
         self._pump_thread.start()
 
     @classmethod
-    def start(cls, model: str | None = None, *, config: FdConfig | None = None, **sections: Any) -> AsyncLLM:
+    def start(cls, model: ModelArg | None = None, *, config: FdConfig | None = None, **sections: Any) -> AsyncLLM:
         """Build the engine (as ``LLM(model, config=..., **sections)`` does) and start its threads."""
         from fd_core.engine.builder import build_engine
         from fd_core.engine.llm import engine_config
@@ -52,15 +53,22 @@ class AsyncLLM:
         return cls(build_engine(engine_config(model, config, sections)))
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's deltas until the final one. Raises RequestError / QueueFullError."""
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield the request's deltas until the final one. Raises RequestError / QueueFullError.
+
+        ``priority`` is ``Request.priority`` (lower runs first under a priority hook plugin).
+        """
+        try:
+            priority = check_priority(priority)
+        except ValueError as exc:
+            raise RequestError("priority", str(exc)) from exc
         tokenizer = self.engine.tokenizer
         request = Request(
             request_id=request_id or f"async-{next(self._ids)}",
             prompt_token_ids=tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt),
             prompt=prompt if isinstance(prompt, str) else None,
             sampling_params=sampling_params or SamplingParams(),
-            eos_token_ids=tuple(tokenizer.eos_token_ids))
+            eos_token_ids=tuple(tokenizer.eos_token_ids), priority=priority)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         with self._lock:
             if request.request_id in self._streams:  # taking its place would steal a live stream

@@ -7,11 +7,13 @@ finished; nothing else is started.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fd_core.engine.results import CompletionResult
-from fd_core.request import Request, SamplingParams
+from fd_core.errors import RequestError
+from fd_core.request import Request, SamplingParams, check_priority
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
@@ -21,16 +23,20 @@ if TYPE_CHECKING:
 PROGRESS_BAR_MIN_PROMPTS = 16
 
 Prompt = str | list[int]
+#: What ``model=`` takes: a source (alias, folder, .gguf file) or the keys of the ``[model]`` section.
+ModelArg = str | os.PathLike[str] | Mapping[str, Any]
 
 
 class LLM:
     """Generate offline with the full engine (plugins, paged KV, batching).
 
     ``LLM("path/or/alias", cache={"num_blocks": 256}, resource_manager={"name": "v0"})``:
-    keyword arguments are config sections and override the environment and defaults.
+    keyword arguments are config sections and override the environment and defaults. ``model``
+    is the model's source, or the keys of the ``[model]`` section:
+    ``LLM(model={"source": "path", "max_model_len": 256})``.
     """
 
-    def __init__(self, model: str | None = None, *, config: FdConfig | None = None, **sections: Any) -> None:
+    def __init__(self, model: ModelArg | None = None, *, config: FdConfig | None = None, **sections: Any) -> None:
         from fd_core.engine.builder import build_engine
 
         self.config = engine_config(model, config, sections)
@@ -43,14 +49,19 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool | None = None) -> list[CompletionResult]:
+                 priority: int | Sequence[int] = 0, use_tqdm: bool | None = None) -> list[CompletionResult]:
         """Complete each prompt (text or token ids); results come back in prompt order.
 
-        Raises RequestError for an invalid prompt before any request is queued.
+        ``priority`` is ``Request.priority``, one for all prompts or one per prompt: lower runs
+        first when a priority hook plugin is installed (it is how requests are scheduled, not
+        how tokens are sampled, so it is not a SamplingParams field). Raises RequestError for an
+        invalid prompt or priority before any request is queued.
         """
         batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
         params = _per_prompt(sampling_params, len(batch))
-        requests = [self._make_request(prompt, sp) for prompt, sp in zip(batch, params, strict=True)]
+        priorities = _priorities(priority, len(batch))
+        requests = [self._make_request(prompt, sp, prio)
+                    for prompt, sp, prio in zip(batch, params, priorities, strict=True)]
         for request in requests:
             self.engine.validate(request)
         results = {r.request_id: CompletionResult(r.request_id, r.prompt, r.prompt_token_ids) for r in requests}
@@ -60,17 +71,18 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool | None = None) -> list[CompletionResult]:
+             priority: int | Sequence[int] = 0, use_tqdm: bool | None = None) -> list[CompletionResult]:
         """Apply the model's chat template to each conversation, then :meth:`generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, priority=priority, use_tqdm=use_tqdm)
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+    def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int) -> Request:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         return Request(request_id=f"offline-{next(self._ids)}", prompt_token_ids=ids, prompt=text,
-                       sampling_params=params, eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+                       sampling_params=params, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                       priority=priority)
 
     def _run(self, requests: list[Request], results: dict[str, CompletionResult], show_bar: bool) -> None:
         from tqdm import tqdm
@@ -100,9 +112,12 @@ class LLM:
                         bar.update(1)
 
 
-def engine_config(model: str | None, config: FdConfig | None, sections: dict[str, Any]) -> FdConfig:
+def engine_config(model: ModelArg | None, config: FdConfig | None, sections: dict[str, Any]) -> FdConfig:
     """The config of an in-process engine: ``config`` as given, or ``model`` + section overrides
-    on top of the environment and defaults (``LLM`` and ``AsyncLLM.start`` take both forms)."""
+    on top of the environment and defaults (``LLM`` and ``AsyncLLM.start`` take both forms).
+
+    ``model`` is ``model.source`` (a string or path), or a mapping of ``[model]`` keys.
+    """
     from fd_core.config import load_config
     from fd_core.errors import ConfigError
 
@@ -111,7 +126,10 @@ def engine_config(model: str | None, config: FdConfig | None, sections: dict[str
             raise ValueError("pass either config= or model/section overrides, not both")
     else:
         if model is not None:
-            sections["model"] = {**sections.get("model", {}), "source": model}
+            keys = dict(model) if isinstance(model, Mapping) else {"source": model}
+            if isinstance(keys.get("source"), os.PathLike):
+                keys["source"] = os.fspath(keys["source"])
+            sections["model"] = {**sections.get("model", {}), **keys}
         config = load_config(**sections)
     if config.parallel.data_parallel_size != 1:
         raise ConfigError("parallel.data_parallel_size", f"{config.parallel.data_parallel_size}: an in-process "
@@ -124,6 +142,18 @@ def engine_config(model: str | None, config: FdConfig | None, sections: dict[str
 
 def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], int)
+
+
+def _priorities(priority: int | Sequence[int], n: int) -> list[int]:
+    """One checked priority per prompt; RequestError on ``priority`` (ValueError for a wrong count)."""
+    per_prompt = isinstance(priority, Sequence) and not isinstance(priority, (str, bytes))
+    values = list(priority) if per_prompt else [priority] * n  # type: ignore[arg-type]
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} priorities for {n} prompts")
+    try:
+        return [check_priority(value) for value in values]
+    except ValueError as exc:
+        raise RequestError("priority", str(exc)) from exc
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

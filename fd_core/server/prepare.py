@@ -5,7 +5,8 @@ raised as :class:`RequestError` naming the field (the engine validates again; it
 name the field the same way). Choice ``i`` of prompt ``p`` becomes the engine request
 ``{response_id}-{p * n + i}``; with a ``seed`` and ``n`` > 1, choice ``i`` uses ``seed + i``
 so the choices differ but the response stays reproducible. All of one HTTP request's engine
-requests share ``group_id`` (the response id), which the scheduler uses to give them a fair share.
+requests share ``group_id`` (the response id), which the scheduler uses to give them a fair share,
+and the body's ``priority`` (validated by the body model).
 
 A prompt text too long to fit ``max_model_len`` whatever its tokens (see
 :attr:`Limits.max_prompt_bytes`) is refused before it is tokenised: tokenising holds the GIL,
@@ -126,7 +127,8 @@ def build_requests(body: _SamplingFields, prompts: list[Prompt], *, max_tokens: 
                                          stop_token_ids=list(base.stop_token_ids))
             requests.append(Request(request_id=f"{response_id}-{p_index * body.n + choice}",
                                     prompt_token_ids=prompt.token_ids, sampling_params=params,
-                                    eos_token_ids=eos_token_ids, prompt=prompt.text, group_id=response_id))
+                                    eos_token_ids=eos_token_ids, prompt=prompt.text, group_id=response_id,
+                                    priority=body.priority))
     return requests
 
 

@@ -10,7 +10,9 @@ accepted and ignored. OpenAI fields whose meaning we cannot honour (``tools``,
 other than ``n``, ``audio``...) are rejected with 400 naming the field. Beyond OpenAI we
 accept vLLM's sampling extras: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, and
-``stream_options.continuous_usage_stats`` (usage on every chunk).
+``stream_options.continuous_usage_stats`` (usage on every chunk); and vLLM's ``priority`` (an
+integer in ``[MIN_PRIORITY, MAX_PRIORITY]``, default 0; lower runs first when a priority hook
+plugin is installed, otherwise it changes nothing).
 
 Types are strict: a value of the wrong JSON type is rejected with 400 naming the field, never
 coerced (``"max_tokens": "8"``, ``"frequency_penalty": false``, a token id ``false``); an
@@ -23,12 +25,15 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from fd_core.request import MAX_PRIORITY, MIN_PRIORITY
+
 #: Most choices (``n``) one request may ask for.
 MAX_N: Final = 128
 
 #: Integers must fit the engine's wire format (msgpack int64) and numpy's seeding.
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Priority = Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
 
 
 class _Body(BaseModel):
@@ -64,6 +69,7 @@ class _SamplingFields(_Body):
     stop_token_ids: list[Count] | None = None
     include_stop_str_in_output: StrictBool = False
     logit_bias: dict[str, float] | None = None
+    priority: Priority = 0     # vLLM: scheduling priority, lower first (Request.priority), not a sampling field
     # OpenAI fields accepted and ignored
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -3,7 +3,7 @@
 Every message is one list whose first item is its kind. Front end -> engine (one PUSH/PULL pair)::
 
     [ADD, request_id, prompt_token_ids, sampling_param_values, eos_token_ids, arrival_time, group_id,
-     output_token_ids]                                 output tokens already delivered (a continuation)
+     priority, output_token_ids]                       output tokens already delivered (a continuation)
     [ABORT, [request_id, ...]]
     [STATS, nonce]
     [SHUTDOWN]
@@ -20,7 +20,9 @@ Engine -> front end (a second PUSH/PULL pair)::
     [STATS_REPLY, nonce, {EngineStats as a dict}]
 
 ``sampling_param_values`` are :class:`SamplingParams`' fields in declaration order (both ends
-run the same code). An output is ``[request_id, new_token_ids, new_text, logprobs, finished,
+run the same code) and ``priority`` is ``Request.priority``. ADD also carries requests between
+instances: the ``global`` scheduler stores it in Redis, the splitwise hand-off sends it to the
+prefill instance. An output is ``[request_id, new_token_ids, new_text, logprobs, finished,
 finish_reason, num_prompt_tokens, num_output_tokens, num_cached_tokens, error, metrics]``
 with ``logprobs`` a list of ``[token_id, logprob, [[id, logprob], ...] | None]`` and
 ``metrics`` ``[arrival_time, queue_time, ttft, tpot, e2e]`` or None.
@@ -69,15 +71,17 @@ def unpack(data: bytes) -> list[Any]:
 def encode_request(request: Request) -> list[Any]:
     params = request.sampling_params
     return [ADD, request.request_id, request.prompt_token_ids, [getattr(params, f) for f in _SAMPLING_FIELDS],
-            list(request.eos_token_ids), request.arrival_time, request.group_id, request.output_token_ids]
+            list(request.eos_token_ids), request.arrival_time, request.group_id, request.priority,
+            request.output_token_ids]
 
 
 def decode_request(message: list[Any]) -> Request:
-    _, request_id, prompt_token_ids, values, eos_token_ids, arrival_time, group_id, output_token_ids = message
+    (_, request_id, prompt_token_ids, values, eos_token_ids, arrival_time, group_id, priority,
+     output_token_ids) = message
     return Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                    sampling_params=SamplingParams(**dict(zip(_SAMPLING_FIELDS, values, strict=True))),
                    eos_token_ids=tuple(eos_token_ids), arrival_time=arrival_time, group_id=group_id,
-                   output_token_ids=list(output_token_ids))
+                   priority=priority, output_token_ids=list(output_token_ids))
 
 
 def encode_output(o: RequestOutput) -> list[Any]:

@@ -10,6 +10,12 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
+
+from fd_core.request import Request, SamplingParams
+from fd_core.server import wire
+from fd_core.server.prepare import Limits, Prompt, build_requests
+from fd_core.server.protocol import ChatCompletionRequest, CompletionRequest
 
 KEY = {"Authorization": "Bearer sk-test"}
 
@@ -236,3 +242,53 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(tiny_server)
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.05)
     wait_all_blocks_free(url)
+
+
+# --- priority --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_priority_is_an_integer_in_range_or_a_400_naming_it(tiny_server, path):
+    base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    for bad, words in ((1001, ["priority", "less than or equal to 1000"]),
+                       (-1001, ["priority", "greater than or equal to -1000"]),
+                       ("1", ["priority", "integer"]), (2.0, ["priority", "integer"]),
+                       (False, ["priority", "integer"]), (None, ["priority", "integer"])):
+        assert_error(post(tiny_server.url, path, {**base, "max_tokens": 2, "priority": bad}), 400, *words,
+                     param="priority")
+    for good in (-1000, 0, 1000):
+        response = post(tiny_server.url, path, {**base, "max_tokens": 2, "priority": good})
+        assert response.status_code == 200, response.text
+
+
+def test_every_choice_of_a_body_gets_its_priority():
+    limits = Limits(max_model_len=64, vocab_size=512, kv_tokens=1024, max_prompt_bytes=10_000)
+    body = CompletionRequest(prompt=[[5, 6], [7, 8, 9]], n=2, max_tokens=4, priority=-3)
+    requests = build_requests(body, [Prompt([5, 6], None), Prompt([7, 8, 9], None)], max_tokens=4,
+                              max_tokens_field="max_tokens", logprobs=None, logprobs_field="logprobs",
+                              limits=limits, eos_token_ids=(0,), response_id="cmpl-1")
+    assert [r.priority for r in requests] == [-3] * 4
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.model_validate_json(json.dumps(chat)).priority == 0
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate_json(json.dumps({**chat, "priority": 5000}))
+    assert info.value.errors()[0]["loc"] == ("priority",)
+
+
+def test_the_wire_carries_priority_with_every_field_of_an_add():
+    request = Request("r-1", [5, 6, 7], SamplingParams(max_tokens=4, seed=3, stop=["x"], logprobs=2),
+                      eos_token_ids=(0, 2), arrival_time=123.5, priority=-7, group_id="g", output_token_ids=[9])
+    message = wire.unpack(wire.pack(wire.encode_request(request)))
+    assert message[0] == wire.ADD
+    decoded = wire.decode_request(message)
+    assert decoded.priority == -7
+    assert (decoded.request_id, decoded.prompt_token_ids, decoded.sampling_params, decoded.eos_token_ids,
+            decoded.arrival_time, decoded.group_id, decoded.output_token_ids) == (
+        "r-1", [5, 6, 7], request.sampling_params, (0, 2), 123.5, "g", [9])
+    assert wire.decode_request(wire.unpack(wire.pack(wire.encode_request(Request("r-2", [5]))))).priority == 0
+
+
+def test_the_wire_docstring_names_every_item_of_an_add():
+    items = [name.strip() for name in re.search(r"\[ADD, (.*?)\]", wire.__doc__, re.S).group(1).split(",")]
+    assert "priority" in items
+    assert len(items) + 1 == len(wire.encode_request(Request("r", [5])))
