@@ -146,7 +146,8 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     # Timestamps (time.time()) for per-request metrics; None until the event happens.
-    scheduled_time: float | None = None
+    scheduled_time: float | None = None    # first planned into a step (not updated after a preemption)
+    admitted_time: float | None = None     # latest start of running: updated on every (re)admission
     first_token_time: float | None = None
     finished_time: float | None = None
 

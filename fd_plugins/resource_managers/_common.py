@@ -12,6 +12,7 @@ State of a :class:`QueuedBlockManager` and its invariants:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -78,6 +79,7 @@ class QueuedBlockManager(ResourceManager):
         self._unfinished[request.request_id] = request
         self.running.append(request)
         request.status = RequestStatus.RUNNING
+        request.admitted_time = time.time()
         request.num_computed_tokens = n_prompt
         return list(table.ids)
 
@@ -120,6 +122,7 @@ class QueuedBlockManager(ResourceManager):
         self.tables[request.request_id] = table
         self.running.append(request)
         request.status = RequestStatus.RUNNING
+        request.admitted_time = time.time()
 
     def _row(self, request: Request, num_new_tokens: int, now: float) -> ScheduledRequest:
         """Plan ``num_new_tokens`` tokens of ``request`` and advance its computed count at once."""

@@ -14,7 +14,7 @@ from fd_core.config import load_config
 from fd_core.errors import ConfigError, QueueFullError
 from fd_core.hook_trace import HookTracer
 from fd_core.registry import Registry
-from fd_core.request import Request
+from fd_core.request import FinishReason, Request
 from fd_core.selection import resolve
 from fd_plugins.platforms.cpu import CpuPlatform, CpuSettings
 from fd_plugins.schedulers.local import LocalScheduler, LocalSchedulerSettings
@@ -121,3 +121,44 @@ def test_hook_tracing_counts_calls_errors_and_time():
     (figures,) = [f for f in tracer.snapshot() if f["hook"] == "fd_request_added"]
     assert figures["plugin"] == "fd.plugins/Flaky" and figures["calls"] == 2 and figures["errors"] == 1
     assert figures["seconds"] > 0
+
+
+def test_admitted_time_follows_readmission_after_a_preemption():
+    from fd_core.contracts.resource_manager import KVLimits
+    from fd_core.request import SamplingParams
+    from fd_plugins.resource_managers.v1.manager import V1ResourceManager
+
+    limits = KVLimits(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    manager = V1ResourceManager(None, limits=limits, hooks=Registry.from_plugins({}).hooks)
+    first, second = (Request(name, [1] * 7, SamplingParams(max_tokens=8)) for name in ("first", "second"))
+    manager.add_request(first)
+    manager.add_request(second)
+    manager.schedule()   # both admitted: 2 blocks each
+    admitted = second.admitted_time
+    for request in (first, second):
+        request.output_token_ids.append(5)
+    first.output_token_ids.extend([5] * 2)   # first needs a third block: the last admitted is preempted
+    manager.schedule()
+    assert second.num_preemptions == 1 and second.scheduled_time is not None
+    while second.num_computed_tokens == 0:
+        manager.finish_requests([first], FinishReason.LENGTH)
+        manager.schedule()
+    assert second.admitted_time > admitted and second.scheduled_time <= admitted
+
+
+def test_check_asks_the_platform_what_start_up_will():
+    from fd_plugins.resource_managers.v1.manager import V1ResourceManager
+    from fd_plugins.token_processors.default import DefaultTokenProcessor
+
+    class ThreadlessCpu(CpuPlatform):
+        name: ClassVar[str] = "threadless"
+
+        def num_threads(self) -> int:
+            raise RuntimeError("no threads here")
+
+    registry = Registry.from_plugins({"platform": [ThreadlessCpu], "scheduler": [LocalScheduler],
+                                      "resource_manager": [V1ResourceManager],
+                                      "token_processor": [DefaultTokenProcessor]})
+    with pytest.raises(ConfigError, match=r"platform.name: plugin threadless \(.*ThreadlessCpu\): "
+                                          r"num_threads\(\) raised RuntimeError: no threads here"):
+        resolve(load_config(platform={"name": "threadless"}), registry)
