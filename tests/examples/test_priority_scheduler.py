@@ -9,6 +9,7 @@ import random
 import re
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -140,7 +141,8 @@ def test_preemption_takes_the_worst_priority_not_the_last_admitted(priority_plug
 
 
 def test_priority_from_the_openai_client_is_checked_and_accepted(priority_plugin, deploy_toml, tmp_path):
-    server = start_server(tmp_path, "--config", str(deploy_toml), "--cache.num_blocks", "64", name="priority")
+    server = start_server(tmp_path, "--config", str(deploy_toml), "--cache.num_blocks", "64",
+                          "--plugins.trace_hooks", "true", name="priority")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
@@ -164,5 +166,10 @@ def test_priority_from_the_openai_client_is_checked_and_accepted(priority_plugin
         stream = client.completions.create(model=model, prompt="hi", max_tokens=4, stream=True,
                                            stream_options={"include_usage": True}, extra_body={"priority": -3})
         assert [chunk.usage.completion_tokens for chunk in stream if chunk.usage] == [4]
+        # hook tracing: the example's ordering hook was asked, and said so in /metrics
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        calls = re.search(r'^fd_hook_calls_total\{hook="fd_order_waiting",plugin="fd.plugins/priority"\} (\S+)$',
+                          text, re.MULTILINE)
+        assert calls and float(calls.group(1)) >= 8, text
     finally:
         assert server.stop() == 0, server.log()
