@@ -1,4 +1,4 @@
-"""The ``fd-serve`` command: serve, check a config, list plugins, or run the router.
+"""The ``fd-serve`` command: serve, check a config, list or check plugins, or run the router.
 
 Every mistake a user can make on the command line (an unknown flag, a bad value, a config that
 cannot run) ends in one ``fd-serve: error: ...`` line per problem on stderr and exit code 2,
@@ -22,6 +22,8 @@ from fd_core.cli_usage import (
     check_router_flags,
     help_text,
     own_flags_parser,
+    plugins_check_help_text,
+    plugins_check_parser,
     router_flags_parser,
     router_help_text,
 )
@@ -29,8 +31,12 @@ from fd_core.errors import FdError
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
-    from fd_core.registry import Registry
+    from fd_core.registry import PluginRecord, Registry
     from fd_core.router.config import RouterConfig
+    from fd_core.testing.conformance import SeamReport
+
+#: Exit status of ``plugins check`` when a check failed (usage errors exit with USAGE_EXIT).
+CHECK_FAILED_EXIT = 1
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fd-serve``; returns the process exit code."""
@@ -44,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     if argv[:1] == ["router"]:
         return _router(argv[1:])
+    if argv[:2] == ["plugins", "check"]:
+        return _plugins_check(argv[2:])
     command = "serve"
     if argv[:2] == ["plugins", "list"]:
         command, argv = "plugins-list", argv[2:]
@@ -141,8 +149,8 @@ def _check(config: FdConfig) -> int:
 
 
 def _plugins_list(config: FdConfig) -> int:
-    from fd_core.registry import Registry
     from fd_core.paddle_import import import_paddle
+    from fd_core.registry import Registry
 
     with contextlib.suppress(ImportError):  # without Paddle, the platforms' detect() says so
         import_paddle()  # the platforms' detect() imports it: do it once, without its noise
@@ -155,6 +163,117 @@ def _plugins_list(config: FdConfig) -> int:
         print(f"fd-serve: error: strict mode: plugins failed to load: {names}", file=sys.stderr)
         return 1
     return 0
+
+
+def _plugins_check(argv: list[str]) -> int:
+    """``fd-serve plugins check GROUP/NAME``: run the plugin's seam kit, print a row per check.
+
+    Exit status 0 when no check failed, 1 when one did (or the plugin does not load), 2 for a
+    usage error: a bad command line, an unknown seam or plugin (the choices are listed), options
+    the plugin's settings model refuses.
+    """
+    try:
+        args, rest = plugins_check_parser().parse_known_args(argv)
+        if args.help:
+            print(plugins_check_help_text())
+            return 0
+        if args.name is None:
+            raise UsageError("plugins check needs the plugin to check: GROUP/NAME or SEAM/NAME, "
+                             "e.g. fd.schedulers/local or scheduler/local")
+        check_config_flags(rest)
+        seam, name = parse_plugin_name(args.name)
+        skip = [part for item in args.skip for part in item.split(",") if part]
+    except UsageError as exc:
+        print(f"fd-serve: error: {exc} (see fd-serve plugins check --help)", file=sys.stderr)
+        return USAGE_EXIT
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    from fd_core.errors import PluginLoadError, PluginVersionError
+
+    try:
+        config = _load(argparse.Namespace(config=args.config, strict=False), rest)
+        record, cls = _load_plugin(config, seam, name)
+        options = config.seam_section(seam).options
+        report = _run_kit(seam, cls, options, skip, record)
+    except (PluginLoadError, PluginVersionError) as exc:
+        print(f"fd-serve: error: {exc}", file=sys.stderr)
+        return CHECK_FAILED_EXIT
+    except (FdError, UsageError) as exc:
+        for line in str(exc).splitlines():
+            print(f"fd-serve: error: {line}", file=sys.stderr)
+        return USAGE_EXIT
+    print(format_check_table(report, title=record.label))
+    return 0 if report.ok else CHECK_FAILED_EXIT
+
+
+def parse_plugin_name(text: str) -> tuple[str, str]:
+    """``fd.schedulers/local`` or ``scheduler/local`` (``resource-manager/v1`` too) -> (seam, name)."""
+    from fd_core.registry import SEAM_GROUPS
+
+    prefix, slash, name = text.partition("/")
+    by_group = {group: seam for seam, group in SEAM_GROUPS.items()}
+    seam = by_group.get(prefix) or prefix.replace("-", "_")
+    if not slash or not name or seam not in SEAM_GROUPS:
+        choices = ", ".join(f"{seam}/NAME ({group}/NAME)" for seam, group in SEAM_GROUPS.items())
+        raise UsageError(f"cannot tell the plugin from {text!r}; name it as one of: {choices}")
+    return seam, name
+
+
+def _load_plugin(config: FdConfig, seam: str, name: str) -> tuple[PluginRecord, type]:
+    """The winning record of ``seam``/``name`` and its loaded class; a name nobody registers is a
+    usage error listing the choices (PluginNotFoundError is an FdError)."""
+    from fd_core.registry import Registry
+
+    if seam == "platform":
+        from fd_core.paddle_import import import_paddle
+
+        with contextlib.suppress(ImportError):  # the platforms' detect() imports it: once, without its noise
+            import_paddle()
+    registry = Registry.discover(disabled=config.plugins.disabled)
+    cls = registry.load(seam, name)
+    record = next(r for r in registry.records(seam) if r.name == name and r.obj is cls)
+    return record, cls
+
+
+def _run_kit(seam: str, cls: type, options: dict[str, object], skip: list[str],
+             record: PluginRecord) -> SeamReport:
+    from pydantic import ValidationError
+
+    from fd_core.config import config_error_from
+    from fd_core.errors import ConfigError
+    from fd_core.testing.conformance import check_names, run_plugin_checks
+
+    unknown = sorted(set(skip) - set(check_names(seam)))
+    if unknown:
+        raise UsageError(f"--skip: no {seam.replace('_', ' ')} check named {', '.join(unknown)}; "
+                         f"the checks are: {', '.join(check_names(seam))}")
+    try:
+        return run_plugin_checks(seam, cls, options, skip=skip, plugin=record.label)
+    except ValidationError as exc:
+        raise config_error_from(exc, prefix=f"{seam}.options") from exc
+    except ValueError as exc:   # options given to a plugin that takes none
+        raise ConfigError(f"{seam}.options", str(exc)) from exc
+
+
+def format_check_table(report: SeamReport, *, title: str) -> str:
+    """The ``plugins check`` table: a row per check (name, result, invariant; why, when it did not
+    pass), then a summary line."""
+    rows = [("CHECK", "RESULT", "INVARIANT")]
+    for result in report.results:
+        invariant = result.invariant
+        if result.status != "passed":
+            invariant = f"{invariant} — {result.detail or result.reason}"
+        rows.append((result.check, result.status.upper() if result.status == "failed" else result.status,
+                     invariant))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    lines = [f"{title}: {report.seam.replace('_', ' ')} conformance kit"]
+    lines += ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:2])) + "  " + row[2] for row in rows]
+    counts = {status: sum(r.status == status for r in report.results) for status in ("passed", "failed", "skipped")}
+    seconds = sum(r.seconds for r in report.results)
+    summary = f"{len(report.results)} checks: {counts['passed']} passed, {counts['failed']} failed, " \
+              f"{counts['skipped']} skipped ({seconds:.1f} s)"
+    failed = [r.check for r in report.failures]
+    lines.append(summary + (f"; FAILED: {', '.join(failed)}" if failed else "; all passed"))
+    return "\n".join(lines)
 
 
 def detect_platforms(registry: Registry) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The ``fd-serve`` command line's vocabulary: its own flags, the ``--help`` text, and hints.
+"""The ``fd-serve`` command line's vocabulary: its own flags, the ``--help`` texts, and hints.
 
 Config keys are flags too (``--cache.block_size 32``); they are listed from the config models
 (``fd_core.config_reference``), so help and hints never drift from the real keys. A flag that
@@ -23,9 +23,12 @@ LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 USAGE: Final = """\
 usage: fd-serve [--config FILE] [--check] [--strict] [--log-level LEVEL] [--SECTION.KEY VALUE ...]
        fd-serve plugins list [--config FILE] [--strict]
+       fd-serve plugins check GROUP/NAME [--config FILE] [--skip CHECK ...] [--SECTION.KEY VALUE ...]
        fd-serve router [--config FILE] [--check] [--log-level LEVEL] [--router.KEY VALUE ...]
        fd-serve --version | --help"""
 ROUTER_USAGE: Final = "usage: fd-serve router [--config FILE] [--check] [--log-level LEVEL] [--router.KEY VALUE ...]"
+PLUGINS_CHECK_USAGE: Final = ("usage: fd-serve plugins check GROUP/NAME [--config FILE] [--skip CHECK ...] "
+                              "[--log-level LEVEL] [--SECTION.KEY VALUE ...]")
 
 #: fd-serve's own flags: (flag, metavar, help). Config keys are listed from the config models.
 _OWN_FLAGS: Final = (
@@ -42,6 +45,15 @@ _ROUTER_FLAGS: Final = (
     ("--config", "FILE", "TOML config file with a [router] section"),
     ("--check", "", "validate the config, print the resolved config, exit"),
     ("--log-level", "LEVEL", f"{', '.join(LOG_LEVELS)} (default: INFO)"),
+    ("-h, --help", "", "show this text and exit"),
+)
+
+
+#: fd-serve plugins check's own flags: (flag, metavar, help). Plugin options are config flags.
+_PLUGINS_CHECK_FLAGS: Final = (
+    ("--config", "FILE", "TOML config file; the checked seam's [<seam>.options] configure the plugin"),
+    ("--skip", "CHECK", "do not run this check (repeatable, or comma-separated); listed as skipped"),
+    ("--log-level", "LEVEL", f"{', '.join(LOG_LEVELS)} (default: WARNING)"),
     ("-h, --help", "", "show this text and exit"),
 )
 
@@ -79,13 +91,39 @@ def router_flags_parser() -> _Parser:
     return parser
 
 
+def plugins_check_parser() -> _Parser:
+    """The parser of ``fd-serve plugins check``'s own flags; config flags (plugin options) are left over."""
+    parser = _Parser(prog="fd-serve plugins check", add_help=False, allow_abbrev=False)
+    parser.add_argument("name", nargs="?")
+    parser.add_argument("--config")
+    parser.add_argument("--skip", action="append", default=[])
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS)
+    parser.add_argument("-h", "--help", action="store_true")
+    return parser
+
+
+def plugins_check_help_text() -> str:
+    """``fd-serve plugins check --help``."""
+    lines = [PLUGINS_CHECK_USAGE, "",
+             "Run the conformance kit of an installed plugin's seam (fd_core.testing.conformance) and print",
+             "one row per check. GROUP/NAME is an entry-point group or a seam, then the plugin's name:",
+             "fd.schedulers/local or scheduler/local (seams: scheduler, resource_manager, token_processor,",
+             "connector, platform). The plugin is built with the seam's options from the config",
+             "(e.g. --config deploy.toml, or --scheduler.options '{\"url\": \"redis://...\"}').",
+             "Exit status: 0 when every check passed (or was skipped), 1 when one failed, 2 for a usage",
+             "error. Reference: docs/conformance.md.", "", "options:"]
+    lines += [f"  {(flag + ' ' + metavar).strip():<24}{text}" for flag, metavar, text in _PLUGINS_CHECK_FLAGS]
+    return "\n".join(lines)
+
+
 def help_text() -> str:
     """``fd-serve --help``: usage, fd-serve's flags, then every config key with its default."""
     from fd_core.config_reference import config_keys
 
     lines = [USAGE, "", "Serve an OpenAI-compatible HTTP API for one model (the default), validate a config",
-             "(--check), list the installed plugins (plugins list), or front several fd-serve instances",
-             "(router; fd-serve router --help lists its keys).", "", "options:"]
+             "(--check), list the installed plugins (plugins list), run a plugin's conformance kit (plugins",
+             "check; fd-serve plugins check --help), or front several fd-serve instances (router; fd-serve",
+             "router --help lists its keys).", "", "options:"]
     lines += [f"  {(flag + ' ' + metavar).strip():<24}{text}" for flag, metavar, text in _OWN_FLAGS]
     lines += ["", "config keys (CLI flag > FD_SECTION__KEY environment variable > --config file > default;",
               "reference: docs/config.md):"]
@@ -202,7 +240,7 @@ def _check_flags(args: list[str], known: dict[str, str], suggest: Callable[[str]
         if not arg.startswith("-"):
             hint = ""
             if command == "fd-serve" and arg.startswith("plugin"):
-                hint = " (did you mean: fd-serve plugins list?)"
+                hint = " (did you mean: fd-serve plugins list, or fd-serve plugins check GROUP/NAME?)"
             elif command == "fd-serve" and difflib.get_close_matches(arg, ["router"], n=1, cutoff=0.7):
                 hint = " (did you mean: fd-serve router?)"
             raise UsageError(f"unexpected argument {arg!r}{hint}")

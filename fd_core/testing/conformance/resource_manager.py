@@ -13,33 +13,62 @@ The simulated engine adds seeded random requests over time (prompts often share 
 prefix caches get hits), calls ``schedule()``, appends a fake sampled token to every row with
 ``sample=True``, finishes requests at ``max_tokens`` (or, now and then, on a fake stop token)
 and aborts a few at random. After every step it checks (see :func:`check_resource_manager`);
-the first violation raises :class:`ConformanceError` naming the seed and the step.
+the first violation raises :class:`ConformanceError` naming the invariant, the seed and the
+step (``resource manager invariant 'no block leaks or double frees' broken: ...``).
+:func:`run_resource_manager_checks` runs three such traces (tiny pool, no prefix caching, a
+budget no prompt exceeds) as the rows of ``fd-serve plugins check``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fd_core.contracts.resource_manager import KVLimits
 from fd_core.request import FinishReason, Request, RequestStatus, SamplingParams
+from fd_core.testing.conformance._report import (
+    Check,
+    ConformanceError,
+    SeamReport,
+    broken,
+    run_checks,
+)
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from fd_core.contracts.resource_manager import ResourceManager
     from fd_core.outputs import StepPlan
 
-__all__ = ["DEFAULT_LIMITS", "ConformanceError", "ConformanceReport", "check_resource_manager"]
+__all__ = ["DEFAULT_LIMITS", "ConformanceError", "ConformanceReport", "check_resource_manager",
+           "run_resource_manager_checks"]
+
+SEAM = "resource_manager"
+
+# The invariants, as failure messages name them.
+FRESH = "a new manager has every block free"
+BUDGETS = "steps stay within max_num_seqs and max_num_batched_tokens"
+ROWS = "each row is one live RUNNING request computing >= 1 token"
+ADVANCES = "schedule advances num_computed_tokens by the planned tokens"
+CONTINUES = "rows continue where the request's last row ended"
+TABLES = "block tables are valid and only grow at their end"
+SHARING = "blocks are shared only through prefix caching"
+NO_LEAKS = "no block leaks or double frees"
+PREEMPTION = "a preempted request loses its blocks and starts over"
+STATS = "stats and has_unfinished agree with the manager's state"
+CORE_FINISHES = "the engine core alone sets FINISHED"
+DRAINS = "every trace drains"
+DRAINED = "after the drain every request is finished and every block free"
+#: What a report row stands for until it fails (then the broken invariant names it).
+TRACE = "the contract holds over a seeded trace"
 
 #: A deliberately tiny pool, so that preemption and eviction happen often.
 DEFAULT_LIMITS = KVLimits(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=24,
                           max_model_len=64, enable_chunked_prefill=True, enable_prefix_caching=True)
-
-
-class ConformanceError(AssertionError):
-    """A resource manager broke its contract; the message names the seed, step and rule."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +134,12 @@ def check_resource_manager(
     sim = _Simulation(manager, limits, seed, allow_lone_oversized_prompt)
     pending = deque(traces)
     if manager.num_free_blocks() != limits.num_blocks:
-        sim.fail(f"a new manager has {manager.num_free_blocks()} free blocks, not {limits.num_blocks}")
+        sim.fail(f"a new manager has {manager.num_free_blocks()} free blocks, not {limits.num_blocks}", FRESH)
 
     while pending or manager.has_unfinished():
         if sim.step >= max_steps:
             sim.fail(f"not drained after {max_steps} steps: deadlock or livelock "
-                     f"({len(sim.live)} live requests, stats {manager.stats()!r})")
+                     f"({len(sim.live)} live requests, stats {manager.stats()!r})", DRAINS)
         while pending and pending[0].arrival_step <= sim.step:
             sim.add(pending.popleft().request)
         if sim.live and rng.random() < abort_prob:
@@ -138,6 +167,39 @@ def check_resource_manager(
                              num_preemptions=sim.num_preemptions, prefix_cache_queries=stats.prefix_cache_queries,
                              prefix_cache_hits=stats.prefix_cache_hits, max_rows=sim.max_rows,
                              max_step_tokens=sim.max_step_tokens)
+
+
+#: The budget of the ``strict_budget`` row: no prompt of its trace can exceed it.
+_STRICT_LIMITS = KVLimits(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=64,
+                          max_model_len=64, enable_chunked_prefill=True, enable_prefix_caching=False)
+
+
+def run_resource_manager_checks(factory: Callable[[KVLimits], ResourceManager], *,
+                                supports_prefix_caching: bool = True, seed: int = 0,
+                                skip: Collection[str] = (), plugin: str | None = None) -> SeamReport:
+    """:func:`check_resource_manager` on three traces, one report row each, without raising.
+
+    * ``tiny_pool``: :data:`DEFAULT_LIMITS` (prefix caching on when ``supports_prefix_caching``),
+      where preemption and eviction happen often; a lone whole prompt over the token budget is
+      allowed, as the contract allows it to managers without chunked prefill;
+    * ``no_prefix_caching``: the same pool with prefix caching off, so no block may be shared;
+    * ``strict_budget``: a budget no prompt exceeds, so every step must stay within it.
+    """
+    tiny = dataclasses.replace(DEFAULT_LIMITS, enable_prefix_caching=supports_prefix_caching)
+    runs: dict[str, dict[str, Any]] = {
+        "tiny_pool": {"limits": tiny, "allow_lone_oversized_prompt": True},
+        "no_prefix_caching": {"limits": dataclasses.replace(tiny, enable_prefix_caching=False),
+                              "allow_lone_oversized_prompt": True},
+        "strict_budget": {"limits": _STRICT_LIMITS},
+    }
+
+    def trace(options: dict[str, Any]) -> Callable[[], None]:
+        def run() -> None:
+            check_resource_manager(factory, seed=seed, **options)
+        return run
+
+    checks = [Check(name, TRACE, trace(options)) for name, options in runs.items()]
+    return run_checks(SEAM, plugin or getattr(factory, "__qualname__", "?"), checks, skip=skip)
 
 
 def _make_traces(rng: random.Random, limits: KVLimits, num_requests: int, max_prompt_len: int | None,
@@ -182,8 +244,8 @@ class _Simulation:
         self._last_queries = 0
         self._last_hits = 0
 
-    def fail(self, message: str) -> None:
-        raise ConformanceError(f"{type(self.manager).__name__} (seed {self.seed}, step {self.step}): {message}")
+    def fail(self, message: str, invariant: str) -> None:
+        raise broken(SEAM, invariant, f"{type(self.manager).__name__} (seed {self.seed}, step {self.step}): {message}")
 
     # --- engine actions ----------------------------------------------------------------------
 
@@ -205,7 +267,7 @@ class _Simulation:
         self.manager.finish_requests(requests, reason)
         for request in requests:
             if request.status is RequestStatus.FINISHED:
-                self.fail(f"{request!r}: finish_requests set FINISHED itself; the engine core owns that")
+                self.fail(f"{request!r}: finish_requests set FINISHED itself; the engine core owns that", CORE_FINISHES)
             request.status, request.finish_reason = RequestStatus.FINISHED, reason
             self._forget(request.request_id)
 
@@ -223,20 +285,20 @@ class _Simulation:
         self.max_rows = max(self.max_rows, len(rows))
         self.max_step_tokens = max(self.max_step_tokens, total)
         if len(rows) > limits.max_num_seqs:
-            self.fail(f"{len(rows)} rows > max_num_seqs {limits.max_num_seqs}")
+            self.fail(f"{len(rows)} rows > max_num_seqs {limits.max_num_seqs}", BUDGETS)
         if plan.total_num_tokens != total:
-            self.fail(f"plan.total_num_tokens {plan.total_num_tokens} != sum of rows {total}")
+            self.fail(f"plan.total_num_tokens {plan.total_num_tokens} != sum of rows {total}", BUDGETS)
         if total > limits.max_num_batched_tokens and not self._lone_whole_prompt(plan):
-            self.fail(f"{total} tokens > max_num_batched_tokens {limits.max_num_batched_tokens}")
+            self.fail(f"{total} tokens > max_num_batched_tokens {limits.max_num_batched_tokens}", BUDGETS)
         self._check_preempted(plan)
         seen: set[str] = set()
         for row in rows:
             rid = row.request.request_id
             if rid in seen:
-                self.fail(f"{rid} has two rows")
+                self.fail(f"{rid} has two rows", ROWS)
             seen.add(rid)
             if self.live.get(rid) is not row.request:
-                self.fail(f"row for {rid}, which is not a live request")
+                self.fail(f"row for {rid}, which is not a live request", ROWS)
             self._check_row(row.request, row.start, row.num_new_tokens, row.block_table, row.sample)
             self.tables[rid] = list(row.block_table)
             self.computed[rid] = row.start + row.num_new_tokens
@@ -252,12 +314,12 @@ class _Simulation:
         for rid in plan.preempted_ids:
             request = self.live.get(rid)
             if request is None:
-                self.fail(f"preempted id {rid!r} is not a live request")
+                self.fail(f"preempted id {rid!r} is not a live request", PREEMPTION)
             assert request is not None
             if rid in scheduled:
-                self.fail(f"{rid} is both preempted and scheduled")
+                self.fail(f"{rid} is both preempted and scheduled", PREEMPTION)
             if request.status is not RequestStatus.PREEMPTED or request.num_computed_tokens != 0:
-                self.fail(f"preempted {request!r} is not PREEMPTED with 0 computed tokens")
+                self.fail(f"preempted {request!r} is not PREEMPTED with 0 computed tokens", PREEMPTION)
             self.tables.pop(rid, None)
             self.computed[rid] = 0
             self.num_preemptions += 1
@@ -266,27 +328,27 @@ class _Simulation:
         rid, bs = request.request_id, self.limits.block_size
         end = start + n
         if n < 1:
-            self.fail(f"{rid}: num_new_tokens {n} < 1")
+            self.fail(f"{rid}: num_new_tokens {n} < 1", ROWS)
         if request.status is not RequestStatus.RUNNING:
-            self.fail(f"{rid} is scheduled but its status is {request.status.value}")
+            self.fail(f"{rid} is scheduled but its status is {request.status.value}", ROWS)
         if request.num_computed_tokens != end:
-            self.fail(f"{rid}: num_computed_tokens {request.num_computed_tokens} != start + new = {end}")
+            self.fail(f"{rid}: num_computed_tokens {request.num_computed_tokens} != start + new = {end}", ADVANCES)
         if end > request.num_tokens:
-            self.fail(f"{rid}: row ends at {end}, past its {request.num_tokens} tokens")
+            self.fail(f"{rid}: row ends at {end}, past its {request.num_tokens} tokens", CONTINUES)
         if sample != (end == request.num_tokens):
-            self.fail(f"{rid}: sample={sample} but the row ends at {end} of {request.num_tokens} tokens")
+            self.fail(f"{rid}: sample={sample} but the row ends at {end} of {request.num_tokens} tokens", CONTINUES)
         old = self.tables.get(rid)
         if old is not None:   # running since an earlier step: continue where it stopped
             if start != self.computed[rid]:
-                self.fail(f"{rid}: row starts at {start}, its previous row ended at {self.computed[rid]}")
+                self.fail(f"{rid}: row starts at {start}, its previous row ended at {self.computed[rid]}", CONTINUES)
             if table[:len(old)] != old:
-                self.fail(f"{rid}: block table {table} does not extend its previous table {old}")
+                self.fail(f"{rid}: block table {table} does not extend its previous table {old}", TABLES)
         elif start != 0 and not (self.limits.enable_prefix_caching and start % bs == 0 and start < request.num_tokens):
-            self.fail(f"{rid}: newly admitted at start {start}, not 0 or a cached block boundary")
+            self.fail(f"{rid}: newly admitted at start {start}, not 0 or a cached block boundary", CONTINUES)
         if len(table) * bs < end:
-            self.fail(f"{rid}: {len(table)} blocks of {bs} cannot hold {end} tokens")
+            self.fail(f"{rid}: {len(table)} blocks of {bs} cannot hold {end} tokens", TABLES)
         if len(set(table)) != len(table) or any(not 0 <= b < self.limits.num_blocks for b in table):
-            self.fail(f"{rid}: block table {table} has duplicates or ids out of range")
+            self.fail(f"{rid}: block table {table} has duplicates or ids out of range", TABLES)
 
     def check_blocks(self) -> None:
         """Sharing only through prefix caching, and free + held == num_blocks."""
@@ -300,18 +362,18 @@ class _Simulation:
                 continue
             names = [r.request_id for r, _ in holders]
             if not self.limits.enable_prefix_caching:
-                self.fail(f"block {block} is held by {names} with prefix caching off")
+                self.fail(f"block {block} is held by {names} with prefix caching off", SHARING)
             pos = holders[0][1]
             end = (pos + 1) * bs
             first = holders[0][0]
             if any(p != pos or r.num_tokens < end or r.token_slice(0, end) != first.token_slice(0, end)
                    for r, p in holders):
-                self.fail(f"block {block} is shared by {names} without a common prefix through it")
+                self.fail(f"block {block} is shared by {names} without a common prefix through it", SHARING)
         held = len(owners)
         free = self.manager.num_free_blocks()
         if free != self.limits.num_blocks - held:
             self.fail(f"num_free_blocks() is {free}, but live requests hold {held} of "
-                      f"{self.limits.num_blocks} blocks (leak or double free)")
+                      f"{self.limits.num_blocks} blocks (leak or double free)", NO_LEAKS)
         self._check_stats(free)
 
     def _check_stats(self, free: int) -> None:
@@ -320,21 +382,21 @@ class _Simulation:
         expected = (self.limits.num_blocks, free, running, len(self.live) - running)
         got = (stats.num_blocks, stats.num_free_blocks, stats.num_running, stats.num_waiting)
         if got != expected:
-            self.fail(f"stats (blocks, free, running, waiting) = {got}, expected {expected}")
+            self.fail(f"stats (blocks, free, running, waiting) = {got}, expected {expected}", STATS)
         if stats.num_preemptions != self.num_preemptions:
-            self.fail(f"stats.num_preemptions {stats.num_preemptions} != preempted ids seen {self.num_preemptions}")
+            self.fail(f"stats.num_preemptions {stats.num_preemptions} != preempted ids seen {self.num_preemptions}", STATS)
         if not (self._last_queries <= stats.prefix_cache_queries and self._last_hits <= stats.prefix_cache_hits
                 and stats.prefix_cache_hits <= stats.prefix_cache_queries):
-            self.fail(f"prefix cache counters went back or hits exceed queries: {stats!r}")
+            self.fail(f"prefix cache counters went back or hits exceed queries: {stats!r}", STATS)
         if not self.limits.enable_prefix_caching and stats.prefix_cache_hits:
-            self.fail(f"{stats.prefix_cache_hits} prefix cache hits with prefix caching off")
+            self.fail(f"{stats.prefix_cache_hits} prefix cache hits with prefix caching off", STATS)
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         if self.manager.has_unfinished() != bool(self.live):
-            self.fail(f"has_unfinished() is {self.manager.has_unfinished()} with {len(self.live)} live requests")
+            self.fail(f"has_unfinished() is {self.manager.has_unfinished()} with {len(self.live)} live requests", STATS)
 
     def check_drained(self, requests: list[Request]) -> None:
         unfinished = [r for r in requests if r.status is not RequestStatus.FINISHED or r.finish_reason is None]
         if unfinished:
-            self.fail(f"after the drain {len(unfinished)} requests are not finished, e.g. {unfinished[0]!r}")
+            self.fail(f"after the drain {len(unfinished)} requests are not finished, e.g. {unfinished[0]!r}", DRAINED)
         if self.manager.num_free_blocks() != self.limits.num_blocks:
-            self.fail(f"after the drain {self.manager.num_free_blocks()} of {self.limits.num_blocks} blocks are free")
+            self.fail(f"after the drain {self.manager.num_free_blocks()} of {self.limits.num_blocks} blocks are free", DRAINED)

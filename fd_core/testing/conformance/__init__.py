@@ -1,0 +1,93 @@
+"""The conformance kit: checks a plugin of any seam against its contract, without a GPU.
+
+One plain function per seam, for a plugin author's own pytest; each runs every check of its
+seam and returns a report, or raises :class:`ConformanceError` whose message names the broken
+invariant (``scheduler invariant 'handed out exactly once or answered' broken: request 'r7' was
+never handed out nor answered (seed 0)``)::
+
+    from fd_core.testing.conformance import check_scheduler
+
+    def test_my_scheduler_conforms():
+        check_scheduler(MyScheduler)
+
+=====================  ============================================  ===========================
+seam                   function                                      what it drives
+=====================  ============================================  ===========================
+scheduler              :func:`check_scheduler`                       puts, gets, threads, hooks
+resource manager       :func:`check_resource_manager`                a seeded simulated engine
+token processor        :func:`check_token_processor`                 hand-made plans and results
+platform               :func:`check_platform`                        detect and every method
+connector              :func:`check_connector`                       loopback transport, hand-off
+=====================  ============================================  ===========================
+
+``run_<seam>_checks`` run the same checks without raising (one :class:`CheckResult` per check,
+what ``fd-serve plugins check`` prints); :func:`run_plugin_checks` does so for a loaded plugin
+class and its config options. docs/conformance.md lists every invariant.
+"""
+
+from fd_core.testing.conformance._report import (
+    CheckResult,
+    ConformanceError,
+    SeamReport,
+)
+from fd_core.testing.conformance.connector import (
+    CONNECTOR_CHECKS,
+    check_connector,
+    run_connector_checks,
+)
+from fd_core.testing.conformance.peer_directory import (
+    InMemoryPeerDirectory,
+    PeerBoard,
+    directory_scheduler,
+)
+from fd_core.testing.conformance.platform import (
+    PLATFORM_CHECKS,
+    check_platform,
+    run_platform_checks,
+)
+from fd_core.testing.conformance.plugin_check import check_names, run_plugin_checks
+from fd_core.testing.conformance.resource_manager import (
+    DEFAULT_LIMITS,
+    ConformanceReport,
+    check_resource_manager,
+    run_resource_manager_checks,
+)
+from fd_core.testing.conformance.scheduler import (
+    SCHEDULER_CHECKS,
+    check_scheduler,
+    run_scheduler_checks,
+)
+from fd_core.testing.conformance.token_processor import (
+    TOKEN_PROCESSOR_CHECKS,
+    check_token_processor,
+    run_token_processor_checks,
+    tiny_tokenizer,
+)
+
+__all__ = [
+    "CONNECTOR_CHECKS",
+    "DEFAULT_LIMITS",
+    "PLATFORM_CHECKS",
+    "SCHEDULER_CHECKS",
+    "TOKEN_PROCESSOR_CHECKS",
+    "CheckResult",
+    "ConformanceError",
+    "ConformanceReport",
+    "InMemoryPeerDirectory",
+    "PeerBoard",
+    "SeamReport",
+    "check_connector",
+    "check_names",
+    "check_platform",
+    "check_resource_manager",
+    "check_scheduler",
+    "check_token_processor",
+    "directory_scheduler",
+    "run_connector_checks",
+    "run_platform_checks",
+    "run_plugin_checks",
+    "run_resource_manager_checks",
+    "run_scheduler_checks",
+    "run_token_processor_checks",
+    "tiny_tokenizer",
+]
