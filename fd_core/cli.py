@@ -155,7 +155,7 @@ def _plugins_list(config: FdConfig) -> int:
     with contextlib.suppress(ImportError):  # without Paddle, the platforms' detect() says so
         import_paddle()  # the platforms' detect() imports it: do it once, without its noise
     logging.getLogger("fd_core.registry").setLevel(logging.ERROR)  # the table shows failures
-    registry = Registry.discover(disabled=config.plugins.disabled)
+    registry = Registry.discover(disabled=config.plugins.disabled, hooks=config.plugins.hooks)
     failures = registry.load_all()
     print(format_plugin_table(registry, detections=detect_platforms(registry)))
     if failures and config.plugins.strict:
@@ -228,7 +228,7 @@ def _load_plugin(config: FdConfig, seam: str, name: str) -> tuple[PluginRecord, 
 
         with contextlib.suppress(ImportError):  # the platforms' detect() imports it: once, without its noise
             import_paddle()
-    registry = Registry.discover(disabled=config.plugins.disabled)
+    registry = Registry.discover(disabled=config.plugins.disabled, hooks=config.plugins.hooks)
     cls = registry.load(seam, name)
     record = next(r for r in registry.records(seam) if r.name == name and r.obj is cls)
     return record, cls

@@ -117,15 +117,8 @@ class LocalScheduler(Scheduler):
         :class:`~fd_core.plugin_guard.DecisionHooks`).
         """
 
-        def is_permutation(answer: Any) -> str | None:
-            try:
-                same = sorted(map(id, answer)) == sorted(map(id, waiting))
-            except TypeError:
-                same = False
-            return None if same else "is not a permutation of the waiting requests"
-
-        ordered = self._decisions.call("fd_order_waiting", is_permutation, waiting=list(waiting), now=now)
-        return self.default_order(waiting, now) if ordered is None else list(ordered)
+        ordered = hook_order(self._decisions, waiting, now)
+        return self.default_order(waiting, now) if ordered is None else ordered
 
     def default_order(self, waiting: list[Request], now: float) -> list[Request]:
         """The order when no hook answers: :func:`fair_fifo`. Subclasses may override it; it must
@@ -170,6 +163,21 @@ def drain_results(results: deque[RequestOutput], has_results: threading.Conditio
     taken = list(results)
     results.clear()
     return taken
+
+
+def hook_order(decisions: DecisionHooks, waiting: list[Request], now: float) -> list[Request] | None:
+    """The ``fd_order_waiting`` hooks' order of ``waiting``, or None when no hook answers with a
+    permutation of it (a wrong answer is reported once, naming the plugin)."""
+
+    def is_permutation(answer: Any) -> str | None:
+        try:
+            same = sorted(map(id, answer)) == sorted(map(id, waiting))
+        except TypeError:
+            same = False
+        return None if same else "is not a permutation of the waiting requests"
+
+    ordered = decisions.call("fd_order_waiting", is_permutation, waiting=list(waiting), now=now)
+    return None if ordered is None else list(ordered)
 
 
 def fair_fifo(waiting: list[Request]) -> list[Request]:

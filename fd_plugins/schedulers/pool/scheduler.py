@@ -5,7 +5,8 @@ instance serves its own queue first and, with room to spare, takes requests from
 peer whose queue holds at least ``steal_min_queued``. The taker holds a stolen request under a
 lease (renewed each heartbeat) and routes its outputs back to the origin, whose clients stream
 them as if the origin had computed them. The Redis side (keys, atomic scripts, fencing) is in
-:mod:`.store`.
+:mod:`.store`. Queues in Redis are FIFO; the ``fd_order_waiting`` hooks order each batch taken
+from them (up to what the engine has room for), not the whole pool's queue.
 
 Failures:
 
@@ -43,10 +44,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from fd_core.contracts.scheduler import Scheduler
 from fd_core.errors import ConfigError, QueueFullError
+from fd_core.plugin_guard import DecisionHooks
 from fd_core.outputs import RequestOutput
 from fd_core.request import FinishReason, Request
 from fd_core.server import wire
-from fd_plugins.schedulers.local import drain_results
+from fd_plugins.schedulers.local import drain_results, hook_order
 from fd_plugins.schedulers.pool.settings import GlobalSchedulerSettings
 from fd_plugins.schedulers.pool.store import Outgoing, PoolStore, RedisLost, Taken
 
@@ -88,6 +90,7 @@ class GlobalScheduler(Scheduler):
         except RedisLost as exc:
             self._store.close()
             raise ConfigError("scheduler.options.url", str(exc)) from None
+        self._decisions = DecisionHooks(hooks)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._has_results = threading.Condition(self._lock)
@@ -165,7 +168,7 @@ class GlobalScheduler(Scheduler):
         while True:
             taken = self._take(max_num) if max_num > 0 else []
             if taken or timeout == 0:
-                return taken
+                return hook_order(self._decisions, taken, time.time()) or taken
             with self._lock:
                 wait = self.settings.poll_s
                 if deadline is not None:

@@ -71,9 +71,10 @@ def test_options_come_from_the_config_file_and_dotted_flags(redis_server, tmp_pa
     assert result.returncode == 0, result.stdout + result.stderr
     assert _row(result.stdout, "peer_directory")[0] == "passed"
     options = json.dumps({"url": redis_server.url, "heartbeat_s": 0.1, "lease_s": 1.0})
-    result = _check("scheduler/global", "--scheduler.options", options, "--skip", "order_hook")
+    result = _check("scheduler/global", "--scheduler.options", options, "--skip", "ttl_expiry")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert _row(result.stdout, "order_hook") == ("skipped", "the fd_order_waiting hook is honoured — skipped on request")
+    assert _row(result.stdout, "order_hook")[0] == "passed"
+    assert _row(result.stdout, "ttl_expiry") == ("skipped", "expired requests are answered, never handed out — skipped on request")
 
 
 @pytest.mark.parametrize(("args", "words"), [

@@ -11,6 +11,7 @@ import pytest
 
 from fd_core.errors import ConfigError
 from fd_core.outputs import RequestOutput
+from fd_core.registry import Registry
 from fd_core.request import FinishReason, Request, SamplingParams
 from fd_plugins.schedulers.pool.scheduler import GlobalScheduler
 from fd_plugins.schedulers.pool.settings import GlobalSchedulerSettings
@@ -18,9 +19,9 @@ from fd_plugins.schedulers.pool.settings import GlobalSchedulerSettings
 FAST = {"heartbeat_s": 0.1, "lease_s": 0.4, "poll_s": 0.02, "steal_min_queued": 1}
 
 
-class _NoHooks:
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda **kwargs: None
+def _no_hooks() -> Any:
+    """A real hook relay with no implementation registered."""
+    return Registry.from_plugins({}).hooks
 
 
 @pytest.fixture
@@ -29,7 +30,7 @@ def pool(redis_server: Any) -> Iterator[Callable[..., GlobalScheduler]]:
 
     def member(name: str, **options: Any) -> GlobalScheduler:
         settings = GlobalSchedulerSettings(url=redis_server.url, instance_id=name, **{**FAST, **options})
-        scheduler = GlobalScheduler(settings, hooks=_NoHooks(), max_queue_size=64)
+        scheduler = GlobalScheduler(settings, hooks=_no_hooks(), max_queue_size=64)
         made.append(scheduler)
         return scheduler
 
@@ -71,7 +72,7 @@ def _take(scheduler: GlobalScheduler, n: int, timeout: float = 3.0) -> list[Requ
 def test_unreachable_redis_fails_start_up_naming_the_url() -> None:
     settings = GlobalSchedulerSettings(url="redis://127.0.0.1:1/0", socket_timeout_s=0.5)
     with pytest.raises(ConfigError) as info:
-        GlobalScheduler(settings, hooks=_NoHooks(), max_queue_size=4)
+        GlobalScheduler(settings, hooks=_no_hooks(), max_queue_size=4)
     assert info.value.key == "scheduler.options.url"
     assert "redis://127.0.0.1:1/0" in str(info.value)
 
