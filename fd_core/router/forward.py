@@ -283,6 +283,8 @@ class _Relay(StreamingResponse):
                     ready, pending = pending[:cut], pending[cut:]
                     done = ready.endswith(sse.DONE)
                     yield ready
+                    if done:   # complete: a client that hangs up after [DONE] did not cut it short
+                        attempt.finish(OK)
             if not done:
                 raise _Incomplete
             attempt.finish(OK)

@@ -88,14 +88,19 @@ def test_a_kv_cap_of_the_platform_is_named_as_such():
 
 
 def test_the_hooks_allow_list_registers_only_the_named_hook_plugins(demo_plugins):
-    everything = Registry.discover()
-    assert any(r.name == "priority-order" for r in everything.records("general") if r.status == "loaded")
-    only_none = Registry.discover(hooks=[])
-    assert all(r.status == "disabled" and r.reason == "not in plugins.hooks" for r in only_none.records("general"))
-    with pytest.raises(ConfigError, match="plugins.hooks: no installed hook plugin .* is named 'nope'"):
-        resolve(load_config(plugins={"hooks": ["nope"]}))
-    chosen = resolve(load_config(plugins={"hooks": ["fd.plugins/priority-order"]})).registry
-    assert [r.status for r in chosen.records("general") if r.name == "priority-order"] == ["loaded"]
+    from tests.conftest import run_fd_serve   # a fresh interpreter sees the freshly installed plugins
+
+    def row(table: str) -> str:
+        return next(line for line in table.splitlines() if line.startswith("fd.plugins") and "priority-order" in line)
+
+    assert row(run_fd_serve("plugins", "list").stdout).endswith("loaded")
+    assert row(run_fd_serve("plugins", "list", "--plugins.hooks", "[]").stdout).endswith(
+        "disabled: not in plugins.hooks")
+    refused = run_fd_serve("--check", "--plugins.hooks", '["nope"]')
+    assert refused.returncode == 2
+    assert "fd-serve: error: plugins.hooks: no installed hook plugin (fd.plugins entry point) is named 'nope'" \
+        in refused.stderr
+    assert run_fd_serve("--check", "--plugins.hooks", '["fd.plugins/priority-order"]').returncode == 0
 
 
 def test_hook_tracing_counts_calls_errors_and_time():
