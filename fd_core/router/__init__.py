@@ -4,7 +4,6 @@
     backends.py  the pool: each backend's last /health, polled every ``router.health_interval_s``
     choose.py    the selection rule: which backend takes the next request
     forward.py   one request forwarded to the pool: retries before the first byte, streams relayed
-    body.py      a request body read up to router.max_body_bytes
     errors.py    the router's own API errors (503 no_backend, 502 backend_failed, 429, 413)
     metrics.py   the router's Prometheus registry
     routes.py    the HTTP endpoints

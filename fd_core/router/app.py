@@ -7,27 +7,23 @@ is closed. Every error leaves as OpenAI's error body, unknown routes included.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException
+from fastapi import FastAPI
 
 from fd_core.router.backends import BackendPool
 from fd_core.router.forward import Forwarder
 from fd_core.router.metrics import RouterMetrics
 from fd_core.router.routes import router
+from fd_core.server import error_handlers
 from fd_core.server.http_errors import ApiError
 
 if TYPE_CHECKING:
     from fd_core.router.config import RouterConfig, RouterSection
-
-log = logging.getLogger(__name__)
 
 #: Seconds an idle connection to a backend is kept for reuse (below uvicorn's keep-alive timeout, 5 s).
 KEEPALIVE_EXPIRY_S: Final = 2.0
@@ -70,27 +66,9 @@ def create_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="fd-engine router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.fd_router = state
     app.include_router(router)
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
+    error_handlers.install(app, internal=_internal_error)
     return app
 
 
-def _respond(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
-
-
-async def _api_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ApiError)
-    return _respond(exc)
-
-
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, HTTPException)
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return _respond(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind))
-
-
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error serving %s %s", request.method, request.url.path)
-    return _respond(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+def _internal_error(exc: Exception) -> ApiError:
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")

@@ -44,7 +44,3 @@ def too_busy(limit: int) -> ApiError:
     return too_many_requests(f"too many requests in flight through the router ({limit}, router.max_concurrency); "
                              "retry later")
 
-
-def body_too_large(limit: int, why: str) -> ApiError:
-    return ApiError(413, f"the request body is too large ({why}); router.max_body_bytes allows {limit} bytes",
-                    type="invalid_request_error", code="request_too_large")

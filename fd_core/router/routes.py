@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from fd_core.router.body import read_body
+from fd_core.server.body import read_body
 from fd_core.router.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -57,4 +57,4 @@ async def chat_completions(request: Request) -> Response:
 async def _generate(request: Request, path: str) -> Response:
     state = _state(request)
     limit = state.settings.max_body_bytes
-    return await state.forwarder.generate(request, path, lambda: read_body(request, limit))
+    return await state.forwarder.generate(request, path, lambda: read_body(request, limit, limit_key="router.max_body_bytes"))

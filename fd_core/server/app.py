@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Final
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException
 
 from fd_core.errors import FdError
 from fd_core.server.drain import Drain
 from fd_core.server.data_parallel import DataParallelClient
 from fd_core.server.engine_client import EngineClient
-from fd_core.server.http_errors import ApiError, from_exception, from_validation_errors
+from fd_core.server import error_handlers
+from fd_core.server.http_errors import from_exception, from_validation_errors
 from fd_core.server.metrics import ServerMetrics
 from fd_core.server.prepare import Limits
 from fd_core.server.routes import router
@@ -72,11 +72,9 @@ def create_app(config: FdConfig, *, on_fatal: Callable[[str, int], None], log_le
     app = FastAPI(title="fd-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.fd = state
     app.include_router(router)
-    app.add_exception_handler(ApiError, _api_error)
+    error_handlers.install(app, internal=from_exception)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(FdError, _fd_error)
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
     return app
 
 
@@ -106,30 +104,10 @@ async def _start(state: ServerState, on_fatal: Callable[[str, int], None]) -> No
     log.info("serving %s (max_model_len %d)", state.model_name, state.limits.max_model_len)
 
 
-def _respond(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
-
-
-async def _api_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ApiError)
-    return _respond(exc)
-
-
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return _respond(from_validation_errors(list(exc.errors())))
+    return error_handlers.respond(from_validation_errors(list(exc.errors())))
 
 
 async def _fd_error(request: Request, exc: Exception) -> JSONResponse:
-    return _respond(from_exception(exc))
-
-
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, HTTPException)
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return _respond(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind))
-
-
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error serving %s %s", request.method, request.url.path)
-    return _respond(from_exception(exc))
+    return error_handlers.respond(from_exception(exc))
