@@ -197,6 +197,17 @@ class PluginsSection(_Section):
         "(labels hook, plugin)."))
 
 
+def sources_with_toml(settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                      env_settings: PydanticBaseSettingsSource, path: Path | None,
+                      ) -> tuple[PydanticBaseSettingsSource, ...]:
+    """Settings sources, first wins: init, env, then the TOML file at ``path`` (if any); defaults
+    come last implicitly, and a CLI source, when given, is put in front by pydantic-settings."""
+    sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+    if path is not None:
+        sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+    return tuple(sources)
+
+
 class _Origins:
     """Which keys the CLI and ``load_config`` overrides set, to tell env-supplied values apart."""
 
@@ -252,13 +263,7 @@ class FdConfig(BaseSettings):
         env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # First wins; defaults come last implicitly. The CLI source, when given, is put
-        # in front by pydantic-settings (CLI > init > env > TOML).
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = CONFIG_PATH.get()
-        if path is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
-        return tuple(sources)
+        return sources_with_toml(settings_cls, init_settings, env_settings, CONFIG_PATH.get())
 
     def seam_section(self, seam: str) -> SeamSection:
         """The section selecting the plugin of ``seam`` (e.g. ``"scheduler"``)."""

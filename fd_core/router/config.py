@@ -21,10 +21,9 @@ from pydantic_settings import (
     CliSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
-from fd_core.config import config_error_from
+from fd_core.config import config_error_from, sources_with_toml
 from fd_core.config_reference import KeyDoc
 from fd_core.errors import ConfigError
 
@@ -112,12 +111,7 @@ class RouterConfig(BaseSettings):
         env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # First wins; the CLI source, when given, is put in front by pydantic-settings.
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = ROUTER_CONFIG_PATH.get()
-        if path is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
-        return tuple(sources)
+        return sources_with_toml(settings_cls, init_settings, env_settings, ROUTER_CONFIG_PATH.get())
 
 
 def load_router_config(config_file: str | Path | None = None, cli_args: list[str] | None = None,

@@ -154,16 +154,22 @@ def test_a_prefill_instance_that_leaves_is_replaced_and_the_output_is_unchanged(
             second.close()
 
 
+def _first_outputs(engine, request, timeout=10.0):
+    """Add ``request`` and step ``engine`` alone until it has outputs (an error needs no peer)."""
+    engine.add_request(request)
+    outputs = []
+    deadline = time.monotonic() + timeout
+    while not outputs:
+        assert time.monotonic() < deadline
+        engine.step()
+        outputs += engine.get_results(timeout=0.01)
+    return outputs
+
+
 def test_without_any_prefill_instance_the_request_fails_with_a_clear_error(tiny_model_dir, redis_server):
     decode = build_engine(_config(tiny_model_dir, redis_server.url, "decode"))
     try:
-        decode.add_request(Request("r", PROMPTS[1], SamplingParams(max_tokens=4)))
-        outputs = []
-        deadline = time.monotonic() + 10
-        while not outputs:
-            assert time.monotonic() < deadline
-            decode.step()
-            outputs += decode.get_results(timeout=0.01)
+        outputs = _first_outputs(decode, Request("r", PROMPTS[1], SamplingParams(max_tokens=4)))
         assert outputs[-1].finished and outputs[-1].finish_reason.value == "error"
         assert "no live prefill instance with connector 'zmq'" in outputs[-1].error
         assert decode.resource_manager.num_free_blocks() == decode.limits.num_blocks
@@ -192,13 +198,7 @@ def test_an_instance_of_another_kv_layout_is_never_paired_and_the_error_says_why
                                    cache={"num_blocks": 64, "block_size": 16}))
     decode = build_engine(_config(tiny_model_dir, redis_server.url, "decode"))   # block_size 8
     try:
-        decode.add_request(Request("r", PROMPTS[1], SamplingParams(max_tokens=4)))
-        outputs = []
-        deadline = time.monotonic() + 10
-        while not outputs:
-            assert time.monotonic() < deadline
-            decode.step()
-            outputs += decode.get_results(timeout=0.01)
+        outputs = _first_outputs(decode, Request("r", PROMPTS[1], SamplingParams(max_tokens=4)))
         assert outputs[-1].finish_reason.value == "error"
         assert "registered but unfit" in outputs[-1].error and "block_size=16" in outputs[-1].error
         assert prefill.stats().splitwise.get("jobs_received", 0) == 0
