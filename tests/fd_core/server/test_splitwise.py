@@ -12,13 +12,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from fd_core.request import SamplingParams
 from fd_core.testing.redis_server import RedisServer, redis_server_path
 from tests.fd_core.server.conftest import TINY_ARGS, ServerProcess, start_server
-from tests.fd_core.server.test_lifecycle import read_stream
 from tests.fd_core.server.test_pool import PROMPTS, _wait_for
 from tests.fd_core.server.test_requests import metric, metrics
 from tests.fd_core.router.conftest import RouterProcess
@@ -114,6 +114,20 @@ def _kill(server: ServerProcess) -> None:
     server.proc.wait()
 
 
+def _stream_or_error(url: str, body: dict, started: threading.Event) -> tuple[int, list[str]]:
+    """A streaming completion's status and SSE payloads (or, if it was refused, its body)."""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        if response.status_code != 200:
+            started.set()
+            return response.status_code, [response.read().decode()]
+        events = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                started.set()
+    return 200, events
+
+
 def test_a_killed_decode_instance_fails_its_clients_and_frees_the_prefill_side(tiny_model, redis, tmp_path):
     prefill = start_role(tmp_path, tiny_model, redis, "prefill", "zmq", topic="kill-d")
     decode = start_role(tmp_path, tiny_model, redis, "decode", "zmq", topic="kill-d")
@@ -124,14 +138,17 @@ def test_a_killed_decode_instance_fails_its_clients_and_frees_the_prefill_side(t
         body = {"prompt": list(range(20, 260)), "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         starts = [threading.Event() for _ in range(6)]
         with ThreadPoolExecutor(6) as workers:
-            futures = [workers.submit(read_stream, router.url, body, started) for started in starts]
+            futures = [workers.submit(_stream_or_error, router.url, body, started) for started in starts]
             assert starts[0].wait(60)
             killed_at = time.monotonic()
             _kill(decode)
-            streams = [future.result(timeout=30) for future in futures]
+            answers = [future.result(timeout=30) for future in futures]
             assert time.monotonic() - killed_at < 30   # every client hears of it promptly
-        for events in streams:   # an error event naming the backend, then [DONE]
-            assert events[-1] == "[DONE]" and '"error"' in events[-2] and decode.url in events[-2], events[-3:]
+        for status, events in answers:
+            if status == 200:   # streaming already: an error event naming the backend, then [DONE]
+                assert events[-1] == "[DONE]" and '"error"' in events[-2] and decode.url in events[-2], events[-3:]
+            else:               # killed before its stream began: a 502 naming the backend
+                assert status == 502 and decode.url in events[0], (status, events)
         wait_blocks_free(prefill, timeout=20)   # stall_timeout_s (2 s) after the decode side went silent
         assert metric(metrics(prefill.url), "fd_splitwise_jobs_open") == 0
     finally:
