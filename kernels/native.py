@@ -28,7 +28,8 @@ from typing import Any, Final
 
 log = logging.getLogger(__name__)
 
-SOURCES: Final = (Path(__file__).parent / "csrc" / "paged_decode_attention.cc",)
+SOURCES: Final = tuple(Path(__file__).parent / "csrc" / name
+                       for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc"))
 _BASE_FLAGS: Final = ("-O3", "-fopenmp-simd", "-std=c++17")
 _loaded: dict[str, ModuleType] = {}
 
@@ -62,7 +63,8 @@ def cache_dir(flags: tuple[str, ...]) -> Path:
 
 
 def load_native(capabilities: Collection[str]) -> ModuleType:
-    """The ops module (``fd_paged_decode_attention``) built for ``capabilities``; builds on first use."""
+    """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``) built for
+    ``capabilities``; builds on first use."""
     flags = isa_flags(capabilities)
     folder = cache_dir(flags)
     key = str(folder)
@@ -85,17 +87,43 @@ def load_native(capabilities: Collection[str]) -> ModuleType:
     return module
 
 
-def prepare_decode_attention(capabilities: Collection[str]) -> Callable[..., Any]:
-    """The C++ ``decode_attention`` kernel variant (reads the KV blocks in place), built for
-    ``capabilities``; raises :class:`NativeKernelsUnavailable`. Uses the CPUs this process may
-    run on (a data-parallel rank's share)."""
-    op = load_native(capabilities).fd_paged_decode_attention
+def prepare_attention(capabilities: Collection[str]) -> Callable[..., Any]:
+    """The C++ ``attention`` kernel variant: every row of a step (decode and prefill) in one op,
+    reading the KV blocks in place; built for ``capabilities``; raises
+    :class:`NativeKernelsUnavailable`. Uses the CPUs this process may run on (a data-parallel
+    rank's share)."""
+    op = load_native(capabilities).fd_paged_attention
     threads = len(os.sched_getaffinity(0))
 
-    def decode_attention_cpp(q: Any, k_cache: Any, v_cache: Any, attn: Any, scale: float) -> Any:
-        return op(q.contiguous(), k_cache, v_cache, attn.decode_tables, attn.decode_lens, scale, threads)
+    def attention_cpp(q: Any, k_cache: Any, v_cache: Any, attn: Any) -> Any:
+        return op(q, k_cache, v_cache, attn.row_tables, attn.row_starts, attn.row_lens, 1.0, threads)
 
-    return decode_attention_cpp
+    return attention_cpp
+
+
+def prepare_rms_norm(capabilities: Collection[str]) -> Callable[..., Any]:
+    """The C++ ``rms_norm`` variant (residual add fused in), safe on every ISA it is built for."""
+    op = load_native(capabilities).fd_rms_norm
+
+    def rms_norm_cpp(x: Any, weight: Any, eps: float, residual: Any) -> tuple[Any, Any]:
+        out, summed = op(x, x if residual is None else residual, weight, eps, residual is not None)
+        return out, summed
+
+    return rms_norm_cpp
+
+
+def prepare_rope_write_kv(capabilities: Collection[str]) -> Callable[..., Any]:
+    """The C++ ``rope_write_kv`` variant: one op per layer rotates q and k and writes k and v
+    into the cache (see ``fd_kernels.paged_attention.rope_write_kv_reference`` for the contract)."""
+    op = load_native(capabilities).fd_rope_write_kv
+
+    def rope_write_kv_cpp(cos: Any, sin: Any, attn: Any, num_heads: int) -> Callable[[Any, Any, Any], Any]:
+        def layer(qkv: Any, k_cache: Any, v_cache: Any) -> Any:
+            return op(qkv, attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor, num_heads)[0]
+
+        return layer
+
+    return rope_write_kv_cpp
 
 
 def _build(folder: Path, flags: tuple[str, ...]) -> ModuleType:

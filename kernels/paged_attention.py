@@ -135,13 +135,6 @@ def decode_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.T
     return paddle.matmul(probs, v).reshape([rows, num_heads, head_dim])
 
 
-def decode_attention_gathered(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, attn: object,
-                              scale: float) -> paddle.Tensor:
-    """:func:`decode_attention` on a step's metadata (its ``decode_index`` and ``decode_mask``):
-    the reference ``decode_attention`` kernel variant."""
-    return decode_attention(q, k_cache, v_cache, attn.decode_index, attn.decode_mask, scale)
-
-
 def prefill_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor,
                       index: paddle.Tensor, mask: paddle.Tensor, scale: float) -> paddle.Tensor:
     """Causal attention of one chunk's ``n`` queries: ``q [n, H, D]`` -> ``[n, H, D]``.
@@ -167,19 +160,54 @@ def prefill_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.
 
 
 def paged_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, *,
-                    num_decode: int, decode: Callable[[paddle.Tensor], paddle.Tensor],
+                    num_decode: int, decode_index: paddle.Tensor | None, decode_mask: paddle.Tensor | None,
                     prefill: Sequence[PrefillChunk], scale: float) -> paddle.Tensor:
     """Attention of a varlen batch ``q [T, H, D]`` whose first ``num_decode`` tokens are decode rows.
 
-    ``decode(q[:num_decode])`` computes the decode rows (the chosen decode kernel, bound to this
-    layer's cache and the step's metadata). The remaining tokens are the :class:`PrefillChunk`
-    rows, in order. ``scale`` multiplies q (usually ``1 / sqrt(D)``; pass 1.0 when the model
-    already scaled q). Returns ``[T, H, D]``.
+    The decode rows are batched through :func:`decode_attention` (``decode_index``/``decode_mask``);
+    the remaining tokens are the :class:`PrefillChunk` rows, in order. ``scale`` multiplies q
+    (usually ``1 / sqrt(D)``; pass 1.0 when the model already scaled q). Returns ``[T, H, D]``.
     """
     parts = []
     if num_decode:
-        parts.append(decode(q[:num_decode]))
+        parts.append(decode_attention(q[:num_decode], k_cache, v_cache, decode_index, decode_mask, scale))
     for chunk in prefill:
         parts.append(prefill_attention(q[chunk.begin:chunk.end], k_cache, v_cache,
                                        chunk.gather_index, chunk.mask, scale))
     return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)
+
+
+def attention_reference(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor,
+                        attn: object) -> paddle.Tensor:
+    """The reference ``attention`` kernel variant: :func:`paged_attention` on a step's metadata
+    (its gather indices and masks; q already scaled)."""
+    return paged_attention(q, k_cache, v_cache, num_decode=attn.num_decode, decode_index=attn.decode_index,
+                           decode_mask=attn.decode_mask, prefill=attn.prefill, scale=1.0)
+
+
+def rope_write_kv_reference(cos: paddle.Tensor, sin: paddle.Tensor, attn: object,
+                            num_heads: int) -> Callable[[paddle.Tensor, paddle.Tensor, paddle.Tensor], paddle.Tensor]:
+    """The reference ``rope_write_kv`` kernel variant, for one step.
+
+    ``cos``/``sin`` are ``[max_positions, D]`` tables (sin with its first half negated, see
+    ``fd_core.model.llama``). Returns ``layer(qkv, k_cache, v_cache) -> q``: for a layer's
+    projection ``qkv [T, H + 2 * Hkv, D]`` it rotates q and k (Hugging Face's non-interleaved
+    convention: ``x * cos + roll(x, D/2) * sin``), writes k and v into the caches at the step's
+    slots and returns the rotated ``q [T, H, D]``. The step's cos/sin rows are gathered once here.
+    """
+    step_tables: list[paddle.Tensor] = []   # cos, sin per (token, rope head): gathered at the first layer
+
+    def layer(qkv: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor) -> paddle.Tensor:
+        num_tokens, rope_heads, head_dim = qkv.shape[0], num_heads + k_cache.shape[1], qkv.shape[-1]
+        if not step_tables:
+            # Paddle's CPU multiply is ~20x slower when it broadcasts a [T, 1, D] operand than on
+            # equal shapes, so the rows are repeated per head.
+            index = paddle.repeat_interleave(attn.positions_tensor, rope_heads)
+            step_tables.extend(paddle.index_select(t, index).reshape([num_tokens, rope_heads, -1]) for t in (cos, sin))
+        step_cos, step_sin = step_tables
+        qk = qkv[:, :rope_heads]
+        qk = qk * step_cos + paddle.roll(qk, head_dim // 2, axis=-1) * step_sin
+        write_kv_cache(qk[:, num_heads:], qkv[:, rope_heads:], k_cache, v_cache, attn.write_index)
+        return qk[:, :num_heads]
+
+    return layer

@@ -3,7 +3,8 @@
 Call order at start-up: the registry loads every platform class (import only), the engine calls
 :meth:`Platform.detect` on each (or only on the one named by ``platform.name``), picks the
 available platform with the highest :attr:`Platform.priority`, instantiates it with its
-validated settings, then calls :meth:`Platform.worker_env`, :meth:`Platform.device_string`
+validated settings, then calls :meth:`Platform.worker_env`, :meth:`Platform.prepare_process`,
+:meth:`Platform.device_string`
 and :meth:`Platform.kv_cache_memory_bytes` before any model weights are loaded, and picks every
 swappable kernel from the instance's :attr:`Platform.capabilities`
 (``fd_core.model.kernels.select_kernels``).
@@ -91,6 +92,11 @@ class Platform(SeamPlugin, ABC):
     def worker_env(self) -> dict[str, str]:
         """Environment variables a worker process needs before importing Paddle."""
         return {}
+
+    def prepare_process(self) -> str:
+        """Tune the engine's own process once, before the model loads (e.g. its host allocator);
+        returns what was done, for the start-up log ("" when nothing)."""
+        return ""
 
     @abstractmethod
     def memory_profile(self) -> MemoryProfile:

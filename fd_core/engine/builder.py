@@ -73,8 +73,9 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     assert platform is not None, "resolve() instantiates the selected platform"
     worker_env = platform.worker_env()
     os.environ.update(worker_env)
+    process_note = platform.prepare_process()
     report("choosing kernels (the C++ kernels are built on first use, then cached)")
-    kernels = choose_kernels(platform, selection.platform_reason, worker_env)
+    kernels = choose_kernels(platform, selection.platform_reason, worker_env, process_note)
 
     stage = f"loading the model {config.model.source!r}"
     report(stage)
@@ -123,15 +124,17 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     return core
 
 
-def choose_kernels(platform: Platform, platform_reason: str, worker_env: dict[str, str]) -> KernelSet:
+def choose_kernels(platform: Platform, platform_reason: str, worker_env: dict[str, str],
+                   process_note: str = "") -> KernelSet:
     """The kernels ``platform.capabilities`` allow, announced in one start-up line (with the
-    worker environment that was applied)."""
+    worker environment that was applied and what ``prepare_process`` did)."""
     from fd_core.model.kernels import select_kernels
 
     kernels = select_kernels(platform.capabilities)
     env = " ".join(f"{key}={value}" for key, value in sorted(worker_env.items())) or "none"
-    log.info("platform %s (%s); capabilities: %s; kernels: %s; worker env: %s", platform.name, platform_reason,
-             " ".join(sorted(platform.capabilities)) or "none", kernels.describe(), env)
+    log.info("platform %s (%s); capabilities: %s; kernels: %s; worker env: %s%s", platform.name, platform_reason,
+             " ".join(sorted(platform.capabilities)) or "none", kernels.describe(), env,
+             f"; {process_note}" if process_note else "")
     return kernels
 
 

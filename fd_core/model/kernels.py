@@ -34,12 +34,17 @@ class KernelVariant:
 #: op -> variants, most preferred first; the last one of each requires nothing.
 KERNEL_VARIANTS: Final[dict[str, tuple[KernelVariant, ...]]] = {
     "rms_norm": (
+        KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_rms_norm),
         KernelVariant("fused", frozenset({FUSED_RMS_NORM}), rms_norm.rms_norm_fused),
         KernelVariant("portable", frozenset(), rms_norm.rms_norm_portable),
     ),
-    "decode_attention": (
-        KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_decode_attention),
-        KernelVariant("reference", frozenset(), paged_attention.decode_attention_gathered),
+    "rope_write_kv": (
+        KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_rope_write_kv),
+        KernelVariant("reference", frozenset(), paged_attention.rope_write_kv_reference),
+    ),
+    "attention": (
+        KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_attention),
+        KernelVariant("reference", frozenset(), paged_attention.attention_reference),
     ),
 }
 
@@ -58,14 +63,22 @@ class KernelSet:
         return self.chosen["rms_norm"].fn
 
     @property
-    def decode_attention(self) -> Callable[..., Any]:
-        """``(q, k_cache, v_cache, attn, scale) -> out``: a step's decode rows; see ``fd_kernels``."""
-        return self.chosen["decode_attention"].fn
+    def rope_write_kv(self) -> Callable[..., Any]:
+        """``(cos, sin, attn, num_heads) -> layer(qkv, k_cache, v_cache) -> q``, once per step; see
+        ``fd_kernels.paged_attention.rope_write_kv_reference``."""
+        return self.chosen["rope_write_kv"].fn
 
     @property
-    def decode_gathers(self) -> bool:
-        """Whether the decode kernel reads the step's gather index and mask (else block tables)."""
-        return self.chosen["decode_attention"].fn is paged_attention.decode_attention_gathered
+    def attention(self) -> Callable[..., Any]:
+        """``(q, k_cache, v_cache, attn) -> out``: every row of a step, q already scaled; see ``fd_kernels``."""
+        return self.chosen["attention"].fn
+
+    @property
+    def reads_gather_inputs(self) -> bool:
+        """Whether a reference kernel runs, which reads the step's gather indices, masks and write index
+        (the C++ kernels read block tables and slots only)."""
+        return (self.chosen["attention"].fn is paged_attention.attention_reference
+                or self.chosen["rope_write_kv"].fn is paged_attention.rope_write_kv_reference)
 
     def describe(self) -> str:
         """``rms_norm=portable (fused needs fused_rms_norm)``: each choice, and why not better."""

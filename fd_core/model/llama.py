@@ -3,10 +3,10 @@
 Built from a :class:`~fd_core.model.arch.LlamaArchConfig` and Hugging Face named numpy
 weights. To keep per-layer Python overhead low, q/k/v are one matmul (their weights
 concatenated), gate/up are one matmul feeding ``swiglu``, residual adds are folded into the
-RMSNorm kernel, and RoPE (Hugging Face's non-interleaved ``rotate_half`` convention) is applied
-to q and k together with one ``roll``. Swappable ops (RMSNorm) come in a
-:class:`~fd_core.model.kernels.KernelSet` chosen from the platform's capabilities; without one
-the model uses the portable kernels.
+RMSNorm kernel, and RoPE (Hugging Face's non-interleaved ``rotate_half`` convention) and the
+K/V cache write are one kernel. The swappable ops (RMSNorm, RoPE + KV write, paged attention)
+come in a :class:`~fd_core.model.kernels.KernelSet` chosen from the platform's capabilities;
+without one the model uses the portable kernels.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,7 +21,6 @@ import paddle
 import paddle.nn.functional as F
 
 from fd_core.model.kernels import PORTABLE_KERNELS
-from fd_kernels.paged_attention import paged_attention, write_kv_cache
 
 if TYPE_CHECKING:
     from fd_core.model.arch import LlamaArchConfig
@@ -122,34 +120,24 @@ class LlamaForCausalLM:
         """RMSNorm of ``x + residual``; returns (normed, the new residual stream)."""
         return self.kernels.rms_norm(x, weight, self.arch.rms_norm_eps, residual)
 
-    def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor,
-                attn: AttentionMetadata, kv_caches: Sequence[LayerKVCache]) -> paddle.Tensor:
-        """Run ``input_ids [T]`` at ``positions [T]``, writing their K/V into ``kv_caches``.
+    def forward(self, input_ids: paddle.Tensor, attn: AttentionMetadata,
+                kv_caches: Sequence[LayerKVCache]) -> paddle.Tensor:
+        """Run ``input_ids [T]`` at ``attn``'s positions, writing their K/V into ``kv_caches``.
 
         Returns float32 logits ``[S, vocab]`` for the tokens at ``attn.sample_indices`` only.
         """
         arch = self.arch
-        heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        heads, head_dim = arch.num_attention_heads, arch.head_dim
         num_tokens = input_ids.shape[0]
-        # cos/sin gathered per (token, q or k head): Paddle's CPU multiply is ~20x slower
-        # when it broadcasts a [T, 1, D] operand than on equal shapes.
-        rope_heads = heads + kv_heads
-        rope_positions = paddle.repeat_interleave(positions, rope_heads)
-        cos = paddle.index_select(self.rope_cos, rope_positions).reshape([num_tokens, rope_heads, -1])
-        sin = paddle.index_select(self.rope_sin, rope_positions).reshape([num_tokens, rope_heads, -1])
+        rope_write_kv = self.kernels.rope_write_kv(self.rope_cos, self.rope_sin, attn, heads)
+        attention = self.kernels.attention
         x = F.embedding(input_ids, self.embed_tokens)
         residual = None
-        decode = self.kernels.decode_attention
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             h, residual = self._norm(x, layer.input_norm, residual)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias).reshape([num_tokens, -1, head_dim])
-            qk = qkv[:, :rope_heads]
-            qk = qk * cos + paddle.roll(qk, head_dim // 2, axis=-1) * sin
-            k, v = qk[:, heads:], qkv[:, rope_heads:]
-            write_kv_cache(k, v, cache.key, cache.value, attn.write_index)
-            out = paged_attention(qk[:, :heads], cache.key, cache.value, num_decode=attn.num_decode,
-                                  decode=partial(decode, k_cache=cache.key, v_cache=cache.value, attn=attn, scale=1.0),
-                                  prefill=attn.prefill, scale=1.0)
+            q = rope_write_kv(qkv, cache.key, cache.value)
+            out = attention(q, cache.key, cache.value, attn)
             x = F.linear(out.reshape([num_tokens, heads * head_dim]), layer.o)
             h, residual = self._norm(x, layer.post_norm, residual)
             x = F.linear(F.swiglu(F.linear(h, layer.gate_up)), layer.down)

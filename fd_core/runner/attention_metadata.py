@@ -39,16 +39,20 @@ class AttentionMetadata:
     positions: np.ndarray                # int64 [T]: position of every new token
     slot_mapping: np.ndarray             # int64 [T]: block * block_size + offset of each token
     sample_indices: paddle.Tensor        # int64 [S]: last token of each sampling row
-    write_index: paddle.Tensor           # int64 [T * num_kv_heads]: see pa.write_index
-    decode_index: paddle.Tensor | None   # int64: pa.gather_index of the decode rows (gathering kernel)
-    decode_mask: paddle.Tensor | None    # [num_decode, num_heads, L] additive mask (gathering kernel)
-    decode_tables: paddle.Tensor | None  # int64 [num_decode, W]: the decode rows' block tables
-    decode_lens: paddle.Tensor | None    # int64 [num_decode]: their context lengths
+    positions_tensor: paddle.Tensor      # int64 [T]: positions, for the RoPE kernels
+    slots_tensor: paddle.Tensor          # int64 [T]: slot_mapping, for the C++ KV write
+    row_tables: paddle.Tensor            # int64 [R, W]: block_tables, read in place by the C++ attention
+    row_starts: paddle.Tensor            # int64 [R]: starts
+    row_lens: paddle.Tensor              # int64 [R]: num_new_tokens
+    # Inputs of the reference kernels only (None / empty when ``gather_inputs`` was off):
+    write_index: paddle.Tensor | None    # int64 [T * num_kv_heads]: see pa.write_index
+    decode_index: paddle.Tensor | None   # int64: pa.gather_index of the decode rows
+    decode_mask: paddle.Tensor | None    # [num_decode, num_heads, L] additive mask
     prefill: tuple[pa.PrefillChunk, ...]  # multi-token rows cut at pa.PREFILL_CHUNK, in token order
 
     def __repr__(self) -> str:
         return (f"AttentionMetadata(tokens={self.num_tokens}, rows={len(self.starts)}, "
-                f"decode={self.num_decode}, prefill={len(self.prefill)})")
+                f"decode={self.num_decode}, prefill rows={len(self.starts) - self.num_decode})")
 
 
 def order_rows(rows: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
@@ -78,11 +82,12 @@ def _prefill_chunks(table: np.ndarray, begin: int, start: int, num_new: int, *, 
 
 def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: int,
                              num_blocks: int, num_heads: int, num_kv_heads: int,
-                             dtype: str = "float32", gather_decode: bool = True) -> AttentionMetadata:
+                             dtype: str = "float32", gather_inputs: bool = True) -> AttentionMetadata:
     """Build the metadata for ``rows``, already in :func:`order_rows` order.
 
-    The decode rows get block tables and context lengths (read in place by the C++ kernel) and,
-    with ``gather_decode``, the gather index and mask the reference kernel reads.
+    Block tables, starts, lengths, positions and slots always become tensors (the C++ kernels
+    read them); with ``gather_inputs``, so do the gather indices, masks, prefill chunks and
+    write index the reference kernels read.
 
     Raises ``ValueError`` when a row has no new tokens, or its block table is too short for
     its context or names a block outside ``[0, num_blocks)`` (reading it would touch memory
@@ -114,25 +119,25 @@ def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: in
     samples = np.array([ends[i] - 1 for i, row in enumerate(rows) if row.sample], np.int64)
 
     num_decode = int(np.count_nonzero(new == 1))
-    decode_index = decode_mask = decode_tables = decode_lens = None
-    if num_decode:
-        width = int(needed[:num_decode].max())
-        decode_tables = paddle.to_tensor(np.ascontiguousarray(tables[:num_decode, :width]))
-        decode_lens = paddle.to_tensor(context[:num_decode])
-        if gather_decode:
+    decode_index = decode_mask = write_index = None
+    prefill: tuple[pa.PrefillChunk, ...] = ()
+    if gather_inputs:
+        write_index = paddle.to_tensor(pa.write_index(slot_mapping, block_size, num_kv_heads))
+        if num_decode:
+            width = int(needed[:num_decode].max())
             decode_index = paddle.to_tensor(pa.gather_index(tables[:num_decode, :width], num_kv_heads))
             decode_mask = paddle.to_tensor(pa.decode_mask(context[:num_decode], width * block_size, num_heads),
                                            dtype=dtype)
-    prefill = tuple(chunk for i in range(num_decode, len(rows))
-                    for chunk in _prefill_chunks(tables[i], int(begins[i]), int(starts[i]),
-                                                 int(new[i]), block_size=block_size,
-                                                 num_kv_heads=num_kv_heads, dtype=dtype))
+        prefill = tuple(chunk for i in range(num_decode, len(rows))
+                        for chunk in _prefill_chunks(tables[i], int(begins[i]), int(starts[i]),
+                                                     int(new[i]), block_size=block_size,
+                                                     num_kv_heads=num_kv_heads, dtype=dtype))
     return AttentionMetadata(
         num_tokens=int(ends[-1]), num_decode=num_decode, block_size=block_size,
         starts=starts, num_new_tokens=new, context_lens=context, block_tables=tables,
         positions=positions, slot_mapping=slot_mapping,
         sample_indices=paddle.to_tensor(samples),
-        write_index=paddle.to_tensor(pa.write_index(slot_mapping, block_size, num_kv_heads)),
-        decode_index=decode_index, decode_mask=decode_mask, decode_tables=decode_tables, decode_lens=decode_lens,
-        prefill=prefill,
+        positions_tensor=paddle.to_tensor(positions), slots_tensor=paddle.to_tensor(slot_mapping),
+        row_tables=paddle.to_tensor(tables), row_starts=paddle.to_tensor(starts), row_lens=paddle.to_tensor(new),
+        write_index=write_index, decode_index=decode_index, decode_mask=decode_mask, prefill=prefill,
     )

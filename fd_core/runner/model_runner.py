@@ -93,13 +93,12 @@ class ModelRunner:
                                         num_blocks=self.num_blocks,
                                         num_heads=self.arch.num_attention_heads,
                                         num_kv_heads=self.arch.num_key_value_heads,
-                                        dtype=self.dtype, gather_decode=self.kernels.decode_gathers)
+                                        dtype=self.dtype, gather_inputs=self.kernels.reads_gather_inputs)
         token_ids = np.fromiter(
             (t for row in rows
              for t in row.request.token_slice(row.start, row.start + row.num_new_tokens)),
             np.int64, attn.num_tokens)
-        logits = self.model.forward(paddle.to_tensor(token_ids), paddle.to_tensor(attn.positions),
-                                    attn, self.kv_caches)
+        logits = self.model.forward(paddle.to_tensor(token_ids), attn, self.kv_caches)
         requests = [row.request for row in rows if row.sample]
         if not requests:
             return StepResult.make_empty()

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.contracts.platform import CPP_KERNELS, FUSED_RMS_NORM, PAGED_ATTENTION, DetectResult, MemoryProfile, Platform
-from fd_plugins.platforms import cpu_features
+from fd_plugins.platforms import cpu_features, host_allocator
 
 #: Environment variables that size the thread pools of OpenMP, MKL and OpenBLAS.
 _THREAD_VARS: Final = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -24,6 +24,10 @@ class CpuSettings(BaseModel):
 
     num_threads: int | None = Field(
         None, ge=1, description="Math threads per worker (Paddle, OpenMP, MKL); None: every usable CPU.")
+    keep_freed_memory: bool = Field(
+        True, description="Tune glibc's malloc in the engine process to keep freed memory for reuse instead of "
+                          "unmapping it (a step's buffers are then not faulted in anew every step; resident "
+                          "memory settles at the largest step's). Off: the allocator's defaults.")
     kernels: Literal["auto", "portable"] = Field(
         "auto", description="'auto': kernels chosen by the CPU's features; 'portable': plain Paddle "
                             "ops only, on any CPU (declares no ISA capability).")
@@ -113,6 +117,12 @@ class CpuPlatform(Platform):
                 and "avx2" in self.features.present):
             env[MKL_CPU_TYPE_VAR] = MKL_AVX2_CPU_TYPE
         return env
+
+    def prepare_process(self) -> str:
+        """With ``keep_freed_memory``, glibc's malloc keeps freed memory (see ``host_allocator``)."""
+        if not self.settings.keep_freed_memory:
+            return "allocator defaults (keep_freed_memory = false)"
+        return host_allocator.keep_freed_memory()
 
     def memory_profile(self) -> MemoryProfile:
         """Host memory from ``/proc/meminfo``: MemTotal and MemAvailable."""

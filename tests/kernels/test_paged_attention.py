@@ -126,9 +126,8 @@ def test_mixed_batch_splits_decode_and_prefill_rows() -> None:
     decode_mask = paddle.to_tensor(pa.decode_mask(np.array([6, 9]), 12, HEADS))
     scale = 1 / np.sqrt(HEAD_DIM)
     out = pa.paged_attention(
-        paddle.to_tensor(q), cache.k, cache.v, num_decode=2,
-        decode=lambda qd: pa.decode_attention(qd, cache.k, cache.v, decode_index, decode_mask, scale),
-        prefill=[chunk], scale=scale).numpy()
+        paddle.to_tensor(q), cache.k, cache.v, num_decode=2, decode_index=decode_index,
+        decode_mask=decode_mask, prefill=[chunk], scale=scale).numpy()
     np.testing.assert_allclose(out[0], _reference(q[0:1], *cache.kv["d1"], 5)[0], atol=1e-5)
     np.testing.assert_allclose(out[1], _reference(q[1:2], *cache.kv["d2"], 8)[0], atol=1e-5)
     np.testing.assert_allclose(out[2:], _reference(q[2:], *cache.kv["p"], 7), atol=1e-5)

@@ -30,9 +30,10 @@ def test_every_op_ends_with_a_variant_that_needs_nothing() -> None:
 
 
 def test_describe_says_what_a_better_kernel_would_need() -> None:
-    assert PORTABLE_KERNELS.describe() == ("rms_norm=portable (fused needs fused_rms_norm); "
-                                           "decode_attention=reference (cpp needs cpp_kernels)")
-    assert select_kernels({FUSED_RMS_NORM}).describe().startswith("rms_norm=fused; ")
+    assert PORTABLE_KERNELS.describe() == ("rms_norm=portable (cpp needs cpp_kernels, fused needs fused_rms_norm); "
+                                           "rope_write_kv=reference (cpp needs cpp_kernels); "
+                                           "attention=reference (cpp needs cpp_kernels)")
+    assert select_kernels({FUSED_RMS_NORM}).describe().startswith("rms_norm=fused (cpp needs cpp_kernels); ")
 
 
 def _reference(x: np.ndarray, weight: np.ndarray, eps: float, residual: np.ndarray | None) -> tuple:

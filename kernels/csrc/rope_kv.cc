@@ -1,0 +1,95 @@
+// Rotary position embedding of q and k, and the new K/V written into the paged cache, in one op.
+//
+// qkv          float32 [T, H + 2 * Hkv, D]  the projection: q heads, then k heads, then v heads
+// positions    int64   [T]
+// cos, sin     float32 [P, D]               sin with its first half negated (fd_core/model/llama.py)
+// k/v cache    float32 [N, Hkv, bs, D]      written in place at each token's slot
+// slots        int64   [T]                  block * bs + offset of each token
+// returns q    float32 [T, H, D]            rotated (contiguous, the attention kernel's input)
+//
+// rotate(x)[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i]: Hugging Face's non-interleaved
+// rotate_half convention.
+
+#include <cstdint>
+#include <vector>
+
+#include "paddle/extension.h"
+
+namespace {
+
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+#pragma omp simd
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle::Tensor& positions,
+                                        const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                        paddle::Tensor& k_cache, paddle::Tensor& v_cache,
+                                        const paddle::Tensor& slots, int num_heads) {
+  PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32 &&
+               v_cache.dtype() == paddle::DataType::FLOAT32 && cos.dtype() == paddle::DataType::FLOAT32,
+           "fd_rope_write_kv: float32 only");
+  PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
+           "fd_rope_write_kv: int64 positions and slots");
+  const auto shape = qkv.shape();
+  const auto cs = k_cache.shape();
+  const int64_t tokens = shape[0], d = shape[2], kv_heads = cs[1], block_size = cs[2];
+  const int64_t max_pos = cos.shape()[0];
+  PD_CHECK(shape[1] == num_heads + 2 * kv_heads && cs[3] == d && cos.shape()[1] == d,
+           "fd_rope_write_kv: shape mismatch");
+  auto q = paddle::empty({tokens, num_heads, d}, qkv.dtype(), qkv.place());
+  const float* in = qkv.data<float>();
+  const int64_t* pos = positions.data<int64_t>();
+  const int64_t* slot = slots.data<int64_t>();
+  const float* cp = cos.data<float>();
+  const float* sp = sin.data<float>();
+  float* qp = q.data<float>();
+  float* kp = k_cache.data<float>();
+  float* vp = v_cache.data<float>();
+  const int64_t cache_rows = cs[0] * kv_heads * block_size;
+  for (int64_t t = 0; t < tokens; ++t) {
+    PD_CHECK(pos[t] >= 0 && pos[t] < max_pos, "fd_rope_write_kv: position ", pos[t], " outside the table");
+    const float* c = cp + pos[t] * d;
+    const float* s = sp + pos[t] * d;
+    const float* row = in + t * shape[1] * d;
+    for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * d, c, s, d, qp + (t * num_heads + h) * d);
+    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = (block * kv_heads + h) * block_size + offset;
+      PD_CHECK(at >= 0 && at < cache_rows, "fd_rope_write_kv: slot ", slot[t], " outside the cache");
+      rotate(row + (num_heads + h) * d, c, s, d, kp + at * d);
+      const float* v = row + (num_heads + kv_heads + h) * d;
+      std::copy(v, v + d, vp + at * d);
+    }
+  }
+  return {q};
+}
+
+std::vector<std::vector<int64_t>> RopeWriteKvShape(const std::vector<int64_t>& qkv, const std::vector<int64_t>&,
+                                                   const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                                   const std::vector<int64_t>& k_cache,
+                                                   const std::vector<int64_t>& v_cache,
+                                                   const std::vector<int64_t>&, int num_heads) {
+  return {{qkv[0], num_heads, qkv[2]}, k_cache, v_cache};
+}
+
+std::vector<paddle::DataType> RopeWriteKvDtype(const paddle::DataType& qkv, const paddle::DataType&,
+                                               const paddle::DataType&, const paddle::DataType&,
+                                               const paddle::DataType& k_cache, const paddle::DataType& v_cache,
+                                               const paddle::DataType&) {
+  return {qkv, k_cache, v_cache};
+}
+
+PD_BUILD_OP(fd_rope_write_kv)
+    .Inputs({"QKV", "Positions", "Cos", "Sin", "KCache", "VCache", "Slots"})
+    .Outputs({"Q", "KCacheOut", "VCacheOut"})
+    .Attrs({"num_heads: int"})
+    .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
+    .SetKernelFn(PD_KERNEL(RopeWriteKv))
+    .SetInferShapeFn(PD_INFER_SHAPE(RopeWriteKvShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RopeWriteKvDtype));

@@ -1,0 +1,130 @@
+"""fd-engine's C++ kernels against the Paddle reference kernels, on random shapes: block sizes 16
+and 64, GQA groups 1-4, ragged batches of decode rows and prefill chunks (rows that start past 0),
+shuffled block tables; the metadata comes from the real builder, as the model gets it."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from fd_core.model.kernels import select_kernels
+from fd_core.outputs import ScheduledRequest
+from fd_core.request import Request
+from fd_core.runner.attention_metadata import build_attention_metadata, order_rows
+from fd_kernels import native
+from fd_kernels import paged_attention as pa
+from fd_kernels import rms_norm
+from fd_plugins.platforms.cpu import CpuPlatform
+
+NUM_BLOCKS = 96
+
+
+def _prepared(prepare):
+    try:
+        return prepare(CpuPlatform().capabilities)
+    except native.NativeKernelsUnavailable as exc:
+        if "no C++ compiler" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+@pytest.fixture(scope="module")
+def cpp():
+    """The C++ variants built for this host's declared capabilities (skipped without a compiler)."""
+    return {"attention": _prepared(native.prepare_attention), "rms_norm": _prepared(native.prepare_rms_norm),
+            "rope_write_kv": _prepared(native.prepare_rope_write_kv)}
+
+
+def _step(rng: np.random.Generator, rows: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int):
+    """Metadata of a step whose rows are ``(start, num_new_tokens)``, over shuffled blocks."""
+    scheduled = []
+    for i, (start, new) in enumerate(rows):
+        blocks = -(-(start + new) // block_size)
+        table = rng.permutation(NUM_BLOCKS)[:blocks].tolist()
+        scheduled.append(ScheduledRequest(Request(f"r{i}", list(range(start + new))), start, new, table, True))
+    return build_attention_metadata(order_rows(scheduled), block_size=block_size, num_blocks=NUM_BLOCKS,
+                                    num_heads=heads, num_kv_heads=kv_heads)
+
+
+def _random(rng: np.random.Generator, *shape: int) -> paddle.Tensor:
+    return paddle.to_tensor(rng.standard_normal(shape).astype(np.float32))
+
+
+def _rows(rng: np.random.Generator, block_size: int, case: str) -> list[tuple[int, int]]:
+    if case == "decode":
+        return [(int(s), 1) for s in rng.integers(0, 4 * block_size, size=37)]
+    if case == "prefill":
+        return [(0, int(rng.integers(2, 3 * block_size)))]
+    # ragged: decode rows, a chunk continuing a prompt past block boundaries, a fresh prompt
+    return [(int(rng.integers(0, 70)), 1), (5, 1), (block_size + 3, 2 * block_size + 7), (0, 19)]
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 2, 32)])
+@pytest.mark.parametrize("case", ["decode", "prefill", "ragged"])
+def test_cpp_attention_matches_the_reference(cpp, block_size: int, heads: int, kv_heads: int, head_dim: int,
+                                             case: str) -> None:
+    rng = np.random.default_rng(block_size * 1000 + heads * 10 + len(case))
+    attn = _step(rng, _rows(rng, block_size, case), block_size, heads, kv_heads)
+    k_cache = _random(rng, NUM_BLOCKS, kv_heads, block_size, head_dim)
+    v_cache = _random(rng, NUM_BLOCKS, kv_heads, block_size, head_dim)
+    q = _random(rng, attn.num_tokens, heads, head_dim) * (1 / np.sqrt(head_dim))
+    want = pa.attention_reference(q, k_cache, v_cache, attn).numpy()
+    got = cpp["attention"](q, k_cache, v_cache, attn).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 32)])
+def test_cpp_rope_and_kv_write_match_the_reference(cpp, block_size: int, heads: int, kv_heads: int,
+                                                   head_dim: int) -> None:
+    rng = np.random.default_rng(block_size + heads)
+    attn = _step(rng, _rows(rng, block_size, "ragged"), block_size, heads, kv_heads)
+    qkv = _random(rng, attn.num_tokens, heads + 2 * kv_heads, head_dim)
+    cos, sin = _random(rng, 512, head_dim), _random(rng, 512, head_dim)
+    caches = {}
+    for name, variant in (("reference", pa.rope_write_kv_reference), ("cpp", cpp["rope_write_kv"])):
+        k_cache = paddle.zeros([NUM_BLOCKS, kv_heads, block_size, head_dim])
+        v_cache = paddle.zeros([NUM_BLOCKS, kv_heads, block_size, head_dim])
+        q = variant(cos, sin, attn, heads)(qkv, k_cache, v_cache)
+        caches[name] = (q.numpy(), k_cache.numpy(), v_cache.numpy())
+    for got, want in zip(caches["cpp"], caches["reference"], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    written = np.abs(caches["cpp"][1]).sum(axis=(1, 2, 3)) > 0
+    assert written.sum() == len({int(s) // block_size for s in attn.slot_mapping})   # only the step's blocks
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_cpp_rms_norm_matches_the_portable_one(cpp, tokens: int, with_residual: bool) -> None:
+    rng = np.random.default_rng(tokens)
+    x, weight = _random(rng, tokens, 576), _random(rng, 576)
+    residual = _random(rng, tokens, 576) if with_residual else None
+    got = cpp["rms_norm"](x, weight, 1e-5, residual)
+    want = rms_norm.rms_norm_portable(x, weight, 1e-5, residual)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_start_up_line_names_the_cpp_kernels_or_why_not(cpp) -> None:
+    line = select_kernels(CpuPlatform().capabilities).describe()
+    assert "rms_norm=cpp" in line and "rope_write_kv=cpp" in line and "attention=cpp" in line
+    portable = select_kernels({"paged_attention"}).describe()
+    assert "attention=reference (cpp needs cpp_kernels)" in portable
+    assert "rms_norm=portable (cpp needs cpp_kernels, fused needs fused_rms_norm)" in portable
+
+
+def test_a_failed_build_falls_back_to_the_reference_and_says_why(monkeypatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(native, "_loaded", {})
+    kernels = select_kernels({"paged_attention", "cpp_kernels"})
+    assert kernels.reads_gather_inputs
+    assert "attention=reference (cpp: no C++ compiler on PATH" in kernels.describe()
+
+
+def test_isa_flags_follow_the_declared_features_only() -> None:
+    assert native.isa_flags({"avx2", "fma"}) == ("-mavx2", "-mfma")
+    assert "-mavx512f" in native.isa_flags({"avx2", "fma", "avx512f"})
+    assert native.isa_flags({"avx512f"}) == ()     # never more than what is declared together
+    assert native.cache_dir(("-mavx2", "-mfma")) != native.cache_dir(())
