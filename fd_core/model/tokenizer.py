@@ -174,6 +174,10 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def save(self, path: str | Path) -> None:
+        """Write it as a Hugging Face ``tokenizer.json`` (to hand a loaded model to another engine)."""
+        self._backend.save(str(path))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) stay whole.
 

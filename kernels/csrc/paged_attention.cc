@@ -11,8 +11,9 @@
 // (its own new K/V must already be in the cache). One task is (row, kv head, a tile of up to
 // kQueryTile queries): the scores of the tile's GQA query heads against every key they see, an
 // exact two-pass softmax (max, then exp and sum) per query, then the weighted sum of the values;
-// each K/V vector is read once per tile. Loops over head_dim are written for the compiler's
-// vectoriser (-fopenmp-simd; the ISA flags come from the capabilities the platform declared).
+// each K vector is read once per tile. With AVX2 + FMA declared, dot products and the value sum
+// (its accumulator in registers) use intrinsics; otherwise loops written for the compiler's
+// vectoriser (-fopenmp-simd). The ISA flags come from the capabilities the platform declared.
 // Tasks are spread over threads when the step is large enough to pay for them.
 
 #include <algorithm>
@@ -22,6 +23,10 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "paddle/extension.h"
 
@@ -58,6 +63,68 @@ struct Task {
   int64_t row, kv_head, first_token, first_pos, count;   // queries [first_token, +count) at first_pos..
 };
 
+// Dot product of two head_dim vectors.
+inline float dot(const float* a, const float* b, int64_t d) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 16 == 0) {   // two accumulators: two independent FMA chains
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), acc1);
+    }
+    const __m256 acc = _mm256_add_ps(acc0, acc1);
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+    return _mm_cvtss_f32(sum);
+  }
+#endif
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t c = 0; c < d; ++c) acc += a[c] * b[c];
+  return acc;
+}
+
+// out = sum over j < n of p[j] * value(j), the accumulator kept in registers for head_dim D.
+template <int64_t D, typename ValueAt>
+inline void weighted_sum_fixed(const float* p, int64_t n, ValueAt value, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[D / 8];
+  for (int64_t v = 0; v < D / 8; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 weight = _mm256_set1_ps(p[j]);
+    const float* row = value(j);
+    for (int64_t v = 0; v < D / 8; ++v) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * v), acc[v]);
+  }
+  for (int64_t v = 0; v < D / 8; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+#else
+  float acc[D] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = value(j);
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c) acc[c] += p[j] * row[c];
+  }
+  std::copy(acc, acc + D, out);
+#endif
+}
+
+template <typename ValueAt>
+inline void weighted_sum(const float* p, int64_t n, ValueAt value, int64_t d, float* out) {
+  switch (d) {
+    case 64: return weighted_sum_fixed<64>(p, n, value, out);
+    case 128: return weighted_sum_fixed<128>(p, n, value, out);
+    case 32: return weighted_sum_fixed<32>(p, n, value, out);
+    case 16: return weighted_sum_fixed<16>(p, n, value, out);
+    default: break;
+  }
+  std::fill(out, out + d, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = value(j);
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) out[c] += p[j] * row[c];
+  }
+}
+
 // Attention of `task.count` consecutive queries of one row for the query heads of one kv head.
 void attend_tile(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, const Task& task,
                  const Shapes& s, float scale, float* out, std::vector<float>& scores) {
@@ -65,23 +132,17 @@ void attend_tile(const float* q, const float* k_cache, const float* v_cache, con
   const int64_t d = s.head_dim;
   const int64_t keys = task.first_pos + task.count;   // the last query sees every key of the tile
   scores.resize(static_cast<size_t>(task.count * group * keys));
-  auto key_at = [&](const float* cache, int64_t j) {
+  auto at = [&](const float* cache, int64_t j) {
     const int64_t block = table[j / s.block_size];
     return cache + ((block * s.kv_heads + task.kv_head) * s.block_size + j % s.block_size) * d;
   };
-  auto query = [&](int64_t i, int64_t g) {   // query i of the tile, head g of the group
-    return q + ((task.first_token + i) * s.heads + task.kv_head * group + g) * d;
+  auto offset = [&](int64_t i, int64_t g) {   // of query i of the tile, head g of the group, in q and out
+    return ((task.first_token + i) * s.heads + task.kv_head * group + g) * d;
   };
   for (int64_t j = 0; j < keys; ++j) {
-    const float* key = key_at(k_cache, j);
+    const float* key = at(k_cache, j);
     for (int64_t i = std::max<int64_t>(0, j - task.first_pos); i < task.count; ++i) {
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = query(i, g);
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t c = 0; c < d; ++c) acc += qg[c] * key[c];
-        scores[(i * group + g) * keys + j] = acc * scale;
-      }
+      for (int64_t g = 0; g < group; ++g) scores[(i * group + g) * keys + j] = dot(q + offset(i, g), key, d) * scale;
     }
   }
   for (int64_t i = 0; i < task.count; ++i) {
@@ -98,19 +159,7 @@ void attend_tile(const float* q, const float* k_cache, const float* v_cache, con
       const float inv = 1.f / total;
 #pragma omp simd
       for (int64_t j = 0; j < seen; ++j) sg[j] *= inv;
-      float* og = out + ((task.first_token + i) * s.heads + task.kv_head * group + g) * d;
-      std::fill(og, og + d, 0.f);
-    }
-  }
-  for (int64_t j = 0; j < keys; ++j) {
-    const float* value = key_at(v_cache, j);
-    for (int64_t i = std::max<int64_t>(0, j - task.first_pos); i < task.count; ++i) {
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[(i * group + g) * keys + j];
-        float* og = out + ((task.first_token + i) * s.heads + task.kv_head * group + g) * d;
-#pragma omp simd
-        for (int64_t c = 0; c < d; ++c) og[c] += p * value[c];
-      }
+      weighted_sum(sg, seen, [&](int64_t j) { return at(v_cache, j); }, d, out + offset(i, g));
     }
   }
 }

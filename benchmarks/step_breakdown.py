@@ -1,0 +1,156 @@
+"""Where a decode step's time goes: ms per component, for each kernel choice, in one run.
+
+Fills the engine with ``--rows`` requests of ``--prompt-len`` tokens, runs their prefills, then
+times ``--steps`` decode steps. Each swappable kernel (``fd_core.model.kernels``) and each Paddle
+op the model calls directly (the linear layers by name, swiglu, embedding) is wrapped in a timer;
+"engine + other" is the rest of ``EngineCore.step`` (scheduling, metadata, sampling, outputs).
+Paddle's CPU ops run synchronously, so wall time around a call is that op's time.
+
+    python benchmarks/step_breakdown.py --kernels portable,auto --json-out /tmp/breakdown.json
+
+Each ``--kernels`` value is the cpu platform's ``kernels`` option and runs in its own process
+(``portable``: the Paddle reference kernels; ``auto``: what this CPU's capabilities select).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+class Timers:
+    """Seconds and calls per component name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.on = False
+
+    def wrap(self, name: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                key = name(*args) if callable(name) else name
+                self.seconds[key] += time.perf_counter() - begin
+                self.calls[key] += 1
+
+        return timed
+
+
+def instrument(llm: Any, timers: Timers) -> None:
+    """Put timers around the model's kernels and direct Paddle ops (this process only)."""
+    import dataclasses
+
+    import paddle.nn.functional as F
+
+    from fd_core.model import llama
+
+    model = llm.engine.runner.model
+    names = {}
+    layer = model.layers[0]
+    for field in ("qkv", "o", "gate_up", "down"):
+        names[tuple(getattr(layer, field).shape)] = field
+
+    def linear_name(x: Any, weight: Any, *rest: Any) -> str:
+        return f"linear {names.get(tuple(weight.shape), '?')}"
+
+    class TimedFunctional:
+        linear = staticmethod(timers.wrap(linear_name, F.linear))
+        swiglu = staticmethod(timers.wrap("swiglu", F.swiglu))
+        embedding = staticmethod(timers.wrap("embedding", F.embedding))
+
+    llama.F = TimedFunctional
+    chosen = model.kernels.chosen
+    timed = {op: dataclasses.replace(v, fn=timers.wrap(f"{op} ({v.name})", v.fn)) for op, v in chosen.items()}
+    # rope_write_kv is a per-step factory: time the per-layer function it returns
+    factory = chosen["rope_write_kv"].fn
+    timed["rope_write_kv"] = dataclasses.replace(
+        chosen["rope_write_kv"],
+        fn=lambda *a: timers.wrap(f"rope_write_kv ({chosen['rope_write_kv'].name})", factory(*a)))
+    model.kernels = dataclasses.replace(model.kernels, chosen=timed)
+    model.forward = timers.wrap("model forward", model.forward)
+
+
+def measure(kernels: str, rows: int, prompt_len: int, steps: int) -> dict:
+    from fd_core import LLM
+    from fd_core.request import Request, SamplingParams
+
+    llm = LLM(platform={"name": "cpu", "options": {"kernels": kernels}},
+              engine={"max_num_seqs": rows, "max_num_batched_tokens": 2048},
+              cache={"num_blocks": rows * (prompt_len + steps + 64) // 16 + 64, "enable_prefix_caching": False})
+    timers = Timers()
+    instrument(llm, timers)
+    core = llm.engine
+    vocab = core.runner.arch.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(rows):
+        core.add_request(Request(f"r{i}", [(7 * i + 13 * t) % (vocab - 3) + 3 for t in range(prompt_len)],
+                                 sampling_params=params))
+    while core.stats().num_prompt_tokens < rows * prompt_len:   # every prompt computed
+        core.step()
+    core.step()                      # one untimed decode step
+    timers.on = True
+    begin = time.perf_counter()
+    for _ in range(steps):
+        timers.seconds["engine step"] -= time.perf_counter()
+        core.step()
+        timers.seconds["engine step"] += time.perf_counter()
+    wall = time.perf_counter() - begin
+    per_step = {name: round(1000 * s / steps, 3) for name, s in timers.seconds.items()}
+    inner = sum(v for k, v in per_step.items() if k not in ("engine step", "model forward"))
+    per_step["model: other ops"] = round(per_step["model forward"] - inner, 3)
+    per_step["engine + other"] = round(per_step["engine step"] - per_step["model forward"], 3)
+    return {"kernels": kernels, "chosen": core.runner.kernels.describe(), "rows": rows, "prompt_len": prompt_len,
+            "steps": steps, "ms_per_step": per_step, "decode_tok_s": round(rows * steps / wall, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kernels", default="portable,auto")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--json-out")
+    parser.add_argument("--one", help=argparse.SUPPRESS)   # internal: measure one choice in this process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args.rows, args.prompt_len, args.steps)))
+        return 0
+    reports = []
+    for kernels in args.kernels.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--one", kernels, "--rows", str(args.rows),
+                               "--prompt-len", str(args.prompt_len), "--steps", str(args.steps)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stderr[-2000:], file=sys.stderr)
+            return 1
+        reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    from fd_plugins.platforms.cpu_features import probe_cpu_features
+
+    cpu = probe_cpu_features().describe()
+    components = sorted({k for r in reports for k in r["ms_per_step"]})
+    print(f"CPU: {cpu}; decode step of {args.rows} rows at context ~{args.prompt_len}, ms per step")
+    print("| component | " + " | ".join(r["kernels"] for r in reports) + " |")
+    print("|---|" + "---|" * len(reports))
+    for name in components:
+        print(f"| {name} | " + " | ".join(f"{r['ms_per_step'].get(name, 0):.2f}" for r in reports) + " |")
+    print("| decode tok/s | " + " | ".join(str(r["decode_tok_s"]) for r in reports) + " |")
+    for r in reports:
+        print(f"{r['kernels']}: {r['chosen']}")
+    if args.json_out:
+        with open(args.json_out, "w") as out:
+            json.dump({"cpu": cpu, "reports": reports}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
