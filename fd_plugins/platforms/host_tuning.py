@@ -13,10 +13,7 @@ glibc's (tcmalloc, jemalloc preloaded by the user) are left alone.
 from __future__ import annotations
 
 import ctypes
-import logging
 from typing import Final
-
-log = logging.getLogger(__name__)
 
 # mallopt parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD: Final = -1
