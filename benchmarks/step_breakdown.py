@@ -66,7 +66,6 @@ def instrument(llm: Any, timers: Timers) -> None:
 
     class TimedFunctional:
         linear = staticmethod(timers.wrap(linear_name, F.linear))
-        swiglu = staticmethod(timers.wrap("swiglu", F.swiglu))
         embedding = staticmethod(timers.wrap("embedding", F.embedding))
 
     llama.F = TimedFunctional

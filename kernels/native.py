@@ -29,10 +29,13 @@ from typing import Any, Final
 log = logging.getLogger(__name__)
 
 _CSRC: Final = Path(__file__).parent / "csrc"
-SOURCES: Final = tuple(_CSRC / name for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc"))
+SOURCES: Final = tuple(_CSRC / name for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc", "swiglu.cc"))
+HEADERS: Final = tuple(sorted(_CSRC.glob("*.h")))
 # OpenMP: the kernels run on Intel's runtime (libiomp5, which Paddle's MKL uses): one thread pool
-# for the matmuls and these kernels, so neither spins against the other's threads.
-_BASE_FLAGS: Final = ("-O3", "-fopenmp", "-std=c++17")
+# for the matmuls and these kernels, so neither spins against the other's threads. No FP traps or
+# errno (the kernels use neither), so loops with comparisons, divisions and sqrt vectorise; the
+# results are the same IEEE values.
+_BASE_FLAGS: Final = ("-O3", "-fopenmp", "-std=c++17", "-fno-trapping-math", "-fno-math-errno")
 _loaded: dict[str, ModuleType] = {}
 
 
@@ -55,7 +58,7 @@ def cache_dir(flags: tuple[str, ...]) -> Path:
     import paddle
 
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(_BASE_FLAGS + flags).encode())
     isa = "-".join(flag.removeprefix("-m") for flag in flags) or "baseline"
@@ -64,7 +67,7 @@ def cache_dir(flags: tuple[str, ...]) -> Path:
     return base / f"paddle{paddle.__version__}-{isa}-{digest.hexdigest()[:12]}"
 
 
-def _paddle_libs() -> Path:
+def paddle_libs() -> Path:
     """Paddle's bundled libraries (``libiomp5.so`` among them)."""
     import paddle
 
@@ -72,7 +75,7 @@ def _paddle_libs() -> Path:
 
 
 def load_native(capabilities: Collection[str]) -> ModuleType:
-    """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``) built for
+    """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``, ``fd_swiglu``) built for
     ``capabilities``; builds on first use."""
     flags = isa_flags(capabilities)
     folder = cache_dir(flags)
@@ -102,7 +105,7 @@ def prepare_attention(capabilities: Collection[str]) -> Callable[..., Any]:
     :class:`NativeKernelsUnavailable`. Uses the CPUs this process may run on (a data-parallel
     rank's share)."""
     op = load_native(capabilities).fd_paged_attention
-    threads = len(os.sched_getaffinity(0))
+    threads = _threads()
 
     def attention_cpp(q: Any, k_cache: Any, v_cache: Any, attn: Any) -> Any:
         return op(q, k_cache, v_cache, attn.row_tables, attn.row_starts, attn.row_lens, 1.0, threads)
@@ -113,12 +116,29 @@ def prepare_attention(capabilities: Collection[str]) -> Callable[..., Any]:
 def prepare_rms_norm(capabilities: Collection[str]) -> Callable[..., Any]:
     """The C++ ``rms_norm`` variant (residual add fused in), safe on every ISA it is built for."""
     op = load_native(capabilities).fd_rms_norm
+    threads = _threads()
 
     def rms_norm_cpp(x: Any, weight: Any, eps: float, residual: Any) -> tuple[Any, Any]:
-        out, summed = op(x, x if residual is None else residual, weight, eps, residual is not None)
+        out, summed = op(x, x if residual is None else residual, weight, eps, residual is not None, threads)
         return out, summed
 
     return rms_norm_cpp
+
+
+def prepare_swiglu(capabilities: Collection[str]) -> Callable[..., Any]:
+    """The C++ ``swiglu`` variant: ``silu(gate) * up`` of the fused gate/up projection in one pass."""
+    op = load_native(capabilities).fd_swiglu
+    threads = _threads()
+
+    def swiglu_cpp(x: Any) -> Any:
+        return op(x, threads)
+
+    return swiglu_cpp
+
+
+def _threads() -> int:
+    """The CPUs this process may run on (a data-parallel rank's share): the kernels' thread count."""
+    return len(os.sched_getaffinity(0))
 
 
 def prepare_rope_write_kv(capabilities: Collection[str]) -> Callable[..., Any]:
@@ -150,8 +170,9 @@ def _build(folder: Path, flags: tuple[str, ...]) -> ModuleType:
                 warnings.simplefilter("ignore")   # e.g. "No ccache found"
                 from paddle.utils.cpp_extension import load
 
-                libs = _paddle_libs()
-                link = [f"-L{libs}", "-l:libiomp5.so", f"-Wl,-rpath,{libs}"]   # see _BASE_FLAGS
+                libs = paddle_libs()
+                # see _BASE_FLAGS; --as-needed drops the libgomp that -fopenmp adds
+                link = ["-Wl,--as-needed", f"-L{libs}", "-l:libiomp5.so", f"-Wl,-rpath,{libs}"]
                 return load(name="fd_native_kernels", sources=[str(s) for s in SOURCES],
                             extra_cxx_cflags=[*_BASE_FLAGS, *flags], extra_ldflags=link,
                             build_directory=str(folder), verbose=False)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from fd_core.contracts.platform import CPP_KERNELS, FUSED_RMS_NORM
+import paddle.nn.functional as F
+
 from fd_kernels import native, paged_attention, rms_norm
 
 
@@ -41,6 +43,10 @@ KERNEL_VARIANTS: Final[dict[str, tuple[KernelVariant, ...]]] = {
     "rope_write_kv": (
         KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_rope_write_kv),
         KernelVariant("reference", frozenset(), paged_attention.rope_write_kv_reference),
+    ),
+    "swiglu": (
+        KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_swiglu),
+        KernelVariant("portable", frozenset(), F.swiglu),
     ),
     "attention": (
         KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_attention),
@@ -67,6 +73,11 @@ class KernelSet:
         """``(cos, sin, attn, num_heads) -> layer(qkv, k_cache, v_cache) -> q``, once per step; see
         ``fd_kernels.paged_attention.rope_write_kv_reference``."""
         return self.chosen["rope_write_kv"].fn
+
+    @property
+    def swiglu(self) -> Callable[..., Any]:
+        """``(gate_up [T, 2n]) -> silu(gate) * up [T, n]``: the MLP's activation."""
+        return self.chosen["swiglu"].fn
 
     @property
     def attention(self) -> Callable[..., Any]:

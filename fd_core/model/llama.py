@@ -2,9 +2,9 @@
 
 Built from a :class:`~fd_core.model.arch.LlamaArchConfig` and Hugging Face named numpy
 weights. To keep per-layer Python overhead low, q/k/v are one matmul (their weights
-concatenated), gate/up are one matmul feeding ``swiglu``, residual adds are folded into the
+concatenated), gate/up are one matmul feeding the ``swiglu`` kernel, residual adds are folded into the
 RMSNorm kernel, and RoPE (Hugging Face's non-interleaved ``rotate_half`` convention) and the
-K/V cache write are one kernel. The swappable ops (RMSNorm, RoPE + KV write, paged attention)
+K/V cache write are one kernel. The swappable ops (RMSNorm, RoPE + KV write, paged attention, SwiGLU)
 come in a :class:`~fd_core.model.kernels.KernelSet` chosen from the platform's capabilities;
 without one the model uses the portable kernels.
 """
@@ -140,7 +140,7 @@ class LlamaForCausalLM:
             out = attention(q, cache.key, cache.value, attn)
             x = F.linear(out.reshape([num_tokens, heads * head_dim]), layer.o)
             h, residual = self._norm(x, layer.post_norm, residual)
-            x = F.linear(F.swiglu(F.linear(h, layer.gate_up)), layer.down)
+            x = F.linear(self.kernels.swiglu(F.linear(h, layer.gate_up)), layer.down)
         if attn.sample_indices.shape[0] == 0:
             return paddle.zeros([0, arch.vocab_size], dtype="float32")
         # Only sampled rows need the final norm and the (large) vocabulary projection.

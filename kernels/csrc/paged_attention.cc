@@ -9,50 +9,29 @@
 //
 // Query i of row r sits at position starts[r] + i and attends causally to keys 0..that position
 // (its own new K/V must already be in the cache). One task is (row, kv head, a tile of up to
-// kQueryTile queries): the scores of the tile's GQA query heads against every key they see, an
-// exact two-pass softmax (max, then exp and sum) per query, then the weighted sum of the values;
-// each K vector is read once per tile. With AVX2 + FMA declared, dot products and the value sum
-// (its accumulator in registers) use intrinsics; otherwise loops written for the compiler's
-// vectoriser (-fopenmp-simd). The ISA flags come from the capabilities the platform declared.
-// Tasks are spread over OpenMP threads (libgomp, the pool oneDNN's linear layers use too) when
-// the step is large enough to pay for them.
+// kQueryTile queries): its M = queries x GQA group query vectors are copied into a contiguous
+// tile, then, block by block, their scores against the block's keys (micro-kernels of 3 queries x
+// 4 keys, each key vector read once per 3 queries), an exact two-pass softmax per query (max, then
+// exp and sum), and the weighted sum of the values (each value vector read once per block and
+// query from L1). With AVX2 + FMA declared the micro-kernels use intrinsics; otherwise loops
+// written for the compiler's vectoriser. The ISA flags come from the capabilities the platform
+// declared. Tasks are spread over OpenMP threads when the step is large enough to pay for them.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
-#if defined(__AVX2__)
+#if defined(__SSE__)
 #include <immintrin.h>
 #endif
 
+#include "fast_exp.h"
 #include "paddle/extension.h"
 
 namespace {
 
 constexpr int64_t kQueryTile = 16;   // queries of one prefill row per task
 constexpr int64_t kMinWorkPerThread = 1 << 15;   // query-key pairs x heads that pay for a thread
-
-// exp(x) for x <= 0 (softmax after subtracting the max), vectorisable: x = n ln2 + r with
-// |r| <= ln2/2, exp(r) by a degree-6 polynomial (relative error < 2e-7), 2^n by building the
-// float's exponent bits. Below -87 the result flushes to 0 like expf's.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
-  float p = 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 struct Shapes {
   int64_t heads, kv_heads, head_dim, block_size, width;
@@ -62,105 +41,157 @@ struct Task {
   int64_t row, kv_head, first_token, first_pos, count;   // queries [first_token, +count) at first_pos..
 };
 
-// Dot product of two head_dim vectors.
-inline float dot(const float* a, const float* b, int64_t d) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (d % 16 == 0) {   // two accumulators: two independent FMA chains
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d; c += 16) {
-      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc0);
-      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), acc1);
+// The four sums of a0..a3's lanes, in order.
+inline __m128 sum_lanes4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+// scores[m * stride + j] = q_m . k_j for MQ query vectors (rows of q) and 4 keys (rows of k), d % 8 == 0.
+template <int MQ>
+inline void scores_4keys(const float* q, const float* k, int64_t d, float* scores, int64_t stride) {
+  __m256 acc[MQ][4];
+  for (int m = 0; m < MQ; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    __m256 key[4];
+    for (int j = 0; j < 4; ++j) key[j] = _mm256_loadu_ps(k + j * d + c);
+    for (int m = 0; m < MQ; ++m) {
+      const __m256 query = _mm256_loadu_ps(q + m * d + c);
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_fmadd_ps(query, key[j], acc[m][j]);
     }
-    const __m256 acc = _mm256_add_ps(acc0, acc1);
-    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-    return _mm_cvtss_f32(sum);
   }
+  for (int m = 0; m < MQ; ++m) _mm_storeu_ps(scores + m * stride, sum_lanes4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+}
 #endif
+
+inline float dot(const float* a, const float* b, int64_t d) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
   for (int64_t c = 0; c < d; ++c) acc += a[c] * b[c];
   return acc;
 }
 
-// out = sum over j < n of p[j] * value(j), the accumulator kept in registers for head_dim D.
-template <int64_t D, typename ValueAt>
-inline void weighted_sum_fixed(const float* p, int64_t n, ValueAt value, float* out) {
+// scores[m * stride + j] = q_m . k_j for m < mq (rows of q) and j < n (rows of k).
+void block_scores(const float* q, int64_t mq, const float* k, int64_t n, int64_t d, float* scores, int64_t stride) {
+  int64_t m = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[D / 8];
-  for (int64_t v = 0; v < D / 8; ++v) acc[v] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 weight = _mm256_set1_ps(p[j]);
-    const float* row = value(j);
-    for (int64_t v = 0; v < D / 8; ++v) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * v), acc[v]);
+  if (d % 8 == 0) {
+    const int64_t n4 = n - n % 4;
+    for (; m + 3 <= mq; m += 3)
+      for (int64_t j = 0; j < n4; j += 4) scores_4keys<3>(q + m * d, k + j * d, d, scores + m * stride + j, stride);
+    for (; m < mq; ++m)
+      for (int64_t j = 0; j < n4; j += 4) scores_4keys<1>(q + m * d, k + j * d, d, scores + m * stride + j, stride);
+    for (int64_t r = 0; r < mq; ++r)
+      for (int64_t j = n4; j < n; ++j) scores[r * stride + j] = dot(q + r * d, k + j * d, d);
+    return;
   }
-  for (int64_t v = 0; v < D / 8; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
-#else
-  float acc[D] = {};
-  for (int64_t j = 0; j < n; ++j) {
-    const float* row = value(j);
-#pragma omp simd
-    for (int64_t c = 0; c < D; ++c) acc[c] += p[j] * row[c];
-  }
-  std::copy(acc, acc + D, out);
 #endif
+  for (; m < mq; ++m)
+    for (int64_t j = 0; j < n; ++j) scores[m * stride + j] = dot(q + m * d, k + j * d, d);
 }
 
-template <typename ValueAt>
-inline void weighted_sum(const float* p, int64_t n, ValueAt value, int64_t d, float* out) {
-  switch (d) {
-    case 64: return weighted_sum_fixed<64>(p, n, value, out);
-    case 128: return weighted_sum_fixed<128>(p, n, value, out);
-    case 32: return weighted_sum_fixed<32>(p, n, value, out);
-    case 16: return weighted_sum_fixed<16>(p, n, value, out);
-    default: break;
+// out[0, d) += sum over j < n of p[j] * v_j (rows of v), the accumulator held in registers.
+void accumulate_values(const float* p, const float* v, int64_t n, int64_t d, float* out) {
+  int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; c + 64 <= d; c += 64) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_loadu_ps(out + c + 8 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 weight = _mm256_set1_ps(p[j]);
+      const float* row = v + j * d + c;
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * u), acc[u]);
+    }
+    for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + c + 8 * u, acc[u]);
   }
-  std::fill(out, out + d, 0.f);
+  for (; c + 8 <= d; c += 8) {
+    __m256 acc = _mm256_loadu_ps(out + c);
+    for (int64_t j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * d + c), acc);
+    _mm256_storeu_ps(out + c, acc);
+  }
+#endif
   for (int64_t j = 0; j < n; ++j) {
-    const float* row = value(j);
+    const float* row = v + j * d;
 #pragma omp simd
-    for (int64_t c = 0; c < d; ++c) out[c] += p[j] * row[c];
+    for (int64_t i = c; i < d; ++i) out[i] += p[j] * row[i];
   }
 }
+
+// Flush denormal inputs and results to zero on this thread while in scope: the weights of keys far
+// below a row's maximum are ~1e-38, and their products with values would be denormals, each
+// costing a microcode assist (~100 cycles); their contribution to the sum is below float's
+// resolution either way.
+class FlushDenormals {
+ public:
+#if defined(__SSE__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }   // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
+// Per-thread buffers of a task, reused across tasks.
+struct Scratch {
+  std::vector<float> queries, scores, out;
+};
 
 // Attention of `task.count` consecutive queries of one row for the query heads of one kv head.
 void attend_tile(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, const Task& task,
-                 const Shapes& s, float scale, float* out, std::vector<float>& scores) {
+                 const Shapes& s, float scale, float* out, Scratch& scratch) {
   const int64_t group = s.heads / s.kv_heads;
   const int64_t d = s.head_dim;
+  const int64_t bs = s.block_size;
+  const int64_t mq = task.count * group;               // query vector m is query m / group, head m % group
   const int64_t keys = task.first_pos + task.count;   // the last query sees every key of the tile
-  scores.resize(static_cast<size_t>(task.count * group * keys));
-  auto at = [&](const float* cache, int64_t j) {
-    const int64_t block = table[j / s.block_size];
-    return cache + ((block * s.kv_heads + task.kv_head) * s.block_size + j % s.block_size) * d;
+  scratch.queries.resize(static_cast<size_t>(mq * d));
+  scratch.scores.resize(static_cast<size_t>(mq * keys));
+  scratch.out.assign(static_cast<size_t>(mq * d), 0.f);
+  float* queries = scratch.queries.data();
+  float* scores = scratch.scores.data();
+  auto offset = [&](int64_t m) {   // of query vector m in q and out
+    return ((task.first_token + m / group) * s.heads + task.kv_head * group + m % group) * d;
   };
-  auto offset = [&](int64_t i, int64_t g) {   // of query i of the tile, head g of the group, in q and out
-    return ((task.first_token + i) * s.heads + task.kv_head * group + g) * d;
-  };
-  for (int64_t j = 0; j < keys; ++j) {
-    const float* key = at(k_cache, j);
-    for (int64_t i = std::max<int64_t>(0, j - task.first_pos); i < task.count; ++i) {
-      for (int64_t g = 0; g < group; ++g) scores[(i * group + g) * keys + j] = dot(q + offset(i, g), key, d) * scale;
-    }
-  }
-  for (int64_t i = 0; i < task.count; ++i) {
-    const int64_t seen = task.first_pos + i + 1;
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores.data() + (i * group + g) * keys;
-      const float top = *std::max_element(sg, sg + seen);
-      float total = 0.f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t j = 0; j < seen; ++j) {
-        sg[j] = exp_nonpositive(sg[j] - top);
-        total += sg[j];
-      }
-      const float inv = 1.f / total;
+  for (int64_t m = 0; m < mq; ++m) {
+    const float* src = q + offset(m);
 #pragma omp simd
-      for (int64_t j = 0; j < seen; ++j) sg[j] *= inv;
-      weighted_sum(sg, seen, [&](int64_t j) { return at(v_cache, j); }, d, out + offset(i, g));
+    for (int64_t c = 0; c < d; ++c) queries[m * d + c] = src[c] * scale;
+  }
+  auto block_of = [&](const float* cache, int64_t b) {
+    return cache + (table[b] * s.kv_heads + task.kv_head) * bs * d;
+  };
+  const int64_t blocks = (keys + bs - 1) / bs;
+  for (int64_t b = 0; b < blocks; ++b)
+    block_scores(queries, mq, block_of(k_cache, b), std::min(bs, keys - b * bs), d, scores + b * bs, keys);
+  for (int64_t m = 0; m < mq; ++m) {
+    const int64_t seen = task.first_pos + m / group + 1;
+    float* row = scores + m * keys;
+    float top = row[0];
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 1; j < seen; ++j) top = std::max(top, row[j]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < seen; ++j) {
+      row[j] = fast_exp(row[j] - top);
+      total += row[j];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < seen; ++j) row[j] *= inv;
+    std::fill(row + seen, row + keys, 0.f);   // keys after this query's position
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* values = block_of(v_cache, b);
+    const int64_t n = std::min(bs, keys - b * bs);
+    for (int64_t m = 0; m < mq; ++m) {
+      const int64_t seen = std::min(n, task.first_pos + m / group + 1 - b * bs);
+      if (seen > 0) accumulate_values(scores + m * keys + b * bs, values, seen, d, scratch.out.data() + m * d);
     }
   }
+  for (int64_t m = 0; m < mq; ++m) std::copy_n(scratch.out.data() + m * d, d, out + offset(m));
 }
 
 }  // namespace
@@ -208,11 +239,12 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
       std::max<int64_t>(1, std::min<int64_t>({num_threads, num_tasks, work / kMinWorkPerThread})));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores;
-#pragma omp for schedule(dynamic)
+    const FlushDenormals flush;
+    Scratch scratch;
+#pragma omp for schedule(monotonic : dynamic)
     for (int64_t t = 0; t < num_tasks; ++t) {
       const Task& task = tasks[t];
-      attend_tile(qp, kp, vp, tables + task.row * s.width, task, s, scale, op, scores);
+      attend_tile(qp, kp, vp, tables + task.row * s.width, task, s, scale, op, scratch);
     }
   }
   return {out};

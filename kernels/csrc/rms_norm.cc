@@ -4,7 +4,8 @@
 //   out = s / sqrt(mean(s * s) + eps) * weight
 //
 // x, residual [T, hidden] float32 (contiguous), weight [hidden]; returns (out, s). One pass
-// writes s and sums its squares, a second scales; loops are written for the vectoriser.
+// writes s and sums its squares, a second scales; loops are written for the vectoriser, rows are
+// spread over OpenMP threads when there are enough of them to pay for it (a prefill chunk).
 
 #include <algorithm>
 #include <cmath>
@@ -13,8 +14,14 @@
 
 #include "paddle/extension.h"
 
+namespace {
+
+constexpr int64_t kMinValuesPerThread = 1 << 16;
+
+}  // namespace
+
 std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tensor& residual,
-                                    const paddle::Tensor& weight, float eps, bool has_residual) {
+                                    const paddle::Tensor& weight, float eps, bool has_residual, int num_threads) {
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && weight.dtype() == paddle::DataType::FLOAT32,
            "fd_rms_norm: float32 only");
   const auto shape = x.shape();
@@ -29,6 +36,9 @@ std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tenso
   const float* w = weight.data<float>();
   float* op = out.data<float>();
   float* sp = sum.data<float>();
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, rows * hidden / kMinValuesPerThread)));
+#pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + r * hidden;
     float* s = sp + r * hidden;
@@ -63,7 +73,7 @@ std::vector<paddle::DataType> RmsNormDtype(const paddle::DataType& x, const padd
 PD_BUILD_OP(fd_rms_norm)
     .Inputs({"X", "Residual", "Weight"})
     .Outputs({"Out", "Sum"})
-    .Attrs({"eps: float", "has_residual: bool"})
+    .Attrs({"eps: float", "has_residual: bool", "num_threads: int"})
     .SetKernelFn(PD_KERNEL(RmsNorm))
     .SetInferShapeFn(PD_INFER_SHAPE(RmsNormShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(RmsNormDtype));

@@ -4,6 +4,9 @@ shuffled block tables; the metadata comes from the real builder, as the model ge
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import numpy as np
 import paddle
 import pytest
@@ -33,7 +36,7 @@ def _prepared(prepare):
 def cpp():
     """The C++ variants built for this host's declared capabilities (skipped without a compiler)."""
     return {"attention": _prepared(native.prepare_attention), "rms_norm": _prepared(native.prepare_rms_norm),
-            "rope_write_kv": _prepared(native.prepare_rope_write_kv)}
+            "rope_write_kv": _prepared(native.prepare_rope_write_kv), "swiglu": _prepared(native.prepare_swiglu)}
 
 
 def _step(rng: np.random.Generator, rows: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int):
@@ -95,7 +98,7 @@ def test_cpp_rope_and_kv_write_match_the_reference(cpp, block_size: int, heads: 
     assert written.sum() == len({int(s) // block_size for s in attn.slot_mapping})   # only the step's blocks
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("tokens", [1, 7, 300])   # 300 rows: spread over threads
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_cpp_rms_norm_matches_the_portable_one(cpp, tokens: int, with_residual: bool) -> None:
     rng = np.random.default_rng(tokens)
@@ -107,9 +110,20 @@ def test_cpp_rms_norm_matches_the_portable_one(cpp, tokens: int, with_residual: 
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 400])   # 400 rows: spread over threads
+def test_cpp_swiglu_matches_paddles(cpp, tokens: int) -> None:
+    rng = np.random.default_rng(tokens)
+    gate_up = rng.standard_normal((tokens, 2 * 1536)).astype(np.float32) * 4
+    gate_up[0, :6] = [-120.0, -88.5, -30.0, 0.0, 30.0, 95.0]   # exp's clamps and both tails
+    x = paddle.to_tensor(gate_up)
+    got, want = cpp["swiglu"](x).numpy(), paddle.nn.functional.swiglu(x).numpy()
+    assert got.shape == (tokens, 1536)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
 def test_the_start_up_line_names_the_cpp_kernels_or_why_not(cpp) -> None:
     line = select_kernels(CpuPlatform().capabilities).describe()
-    assert "rms_norm=cpp" in line and "rope_write_kv=cpp" in line and "attention=cpp" in line
+    assert all(f"{op}=cpp" in line for op in ("rms_norm", "rope_write_kv", "swiglu", "attention"))
     portable = select_kernels({"paged_attention"}).describe()
     assert "attention=reference (cpp needs cpp_kernels)" in portable
     assert "rms_norm=portable (cpp needs cpp_kernels, fused needs fused_rms_norm)" in portable
@@ -121,6 +135,23 @@ def test_a_failed_build_falls_back_to_the_reference_and_says_why(monkeypatch) ->
     kernels = select_kernels({"paged_attention", "cpp_kernels"})
     assert kernels.reads_gather_inputs
     assert "attention=reference (cpp: no C++ compiler on PATH" in kernels.describe()
+
+
+def test_every_openmp_entry_point_binds_to_intels_runtime(cpp) -> None:
+    """libgomp is in the process too (via Paddle): an OpenMP entry point libiomp5 lacks (e.g. GCC's
+    nonmonotonic dynamic loop) would bind to libgomp, whose loop does not know iomp's team, so
+    every thread would run every iteration. Versioned imports bind to libiomp5's definitions."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("binutils' nm is not installed")
+    library = next(native.cache_dir(native.isa_flags(CpuPlatform().capabilities)).glob("**/*.so"))
+    imported = subprocess.run([nm, "-D", "--undefined-only", str(library)], capture_output=True, text=True,
+                              check=True).stdout.split()
+    openmp = [symbol for symbol in imported if symbol.startswith(("GOMP_", "omp_", "__kmpc"))]
+    exported = subprocess.run([nm, "-D", "--defined-only", str(native.paddle_libs() / "libiomp5.so")],
+                              capture_output=True, text=True, check=True).stdout.replace("@@", "@").split()
+    assert openmp, "the kernels use OpenMP"
+    assert all(symbol.endswith("@VERSION") and symbol in exported for symbol in openmp), openmp
 
 
 def test_isa_flags_follow_the_declared_features_only() -> None:

@@ -1,0 +1,31 @@
+// exp(x) in float32 for the kernels' vectorised loops (softmax, SiLU).
+//
+// x = n ln2 + r with |r| <= ln2/2; exp(r) by a degree-6 polynomial (relative error < 2e-7, the
+// size of expf's rounding); 2^n by building the float's exponent bits. x is clamped to
+// [-87, 88]: below, the result is ~1e-38 instead of a denormal or 0, above it stays finite.
+// Plain arithmetic only, so `#pragma omp simd` loops that call it vectorise.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  // n = round(x / ln2): adding and subtracting 1.5 * 2^23 rounds to nearest in plain arithmetic
+  // (std::nearbyint would keep the loop from vectorising).
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
