@@ -1,9 +1,8 @@
 """Where a decode step's time goes: ms per component, for each kernel choice, in one run.
 
 Fills the engine with ``--rows`` requests of ``--prompt-len`` tokens, runs their prefills, then
-times ``--steps`` decode steps. Each swappable kernel (``fd_core.model.kernels``) and each Paddle
-op the model calls directly (the linear layers by name, swiglu, embedding) is wrapped in a timer;
-"engine + other" is the rest of ``EngineCore.step`` (scheduling, metadata, sampling, outputs).
+times ``--steps`` decode steps. Each swappable kernel (``fd_core.model.kernels``; the linear
+layers by weight name) and the embedding are wrapped in a timer; "engine + other" is the rest of ``EngineCore.step`` (scheduling, metadata, sampling, outputs).
 Paddle's CPU ops run synchronously, so wall time around a call is that op's time.
 
     python benchmarks/step_breakdown.py --kernels portable,auto --json-out /tmp/breakdown.json
@@ -56,20 +55,23 @@ def instrument(llm: Any, timers: Timers) -> None:
 
     model = llm.engine.runner.model
     chosen = model.kernels.chosen
-    names = {}
-    layer = model.layers[0]
-    for field in ("qkv", "o", "gate_up", "down"):
-        names[tuple(getattr(layer, field).shape)] = field
+    names = {id(model.lm_head): "lm_head"}
+    for layer in model.layers:
+        names |= {id(getattr(layer, field)): field for field in ("qkv", "o", "gate_up", "down")}
+    linear = chosen["linear"].fn
 
-    def linear_name(x: Any, weight: Any, *rest: Any) -> str:
-        return f"linear {names.get(tuple(weight.shape), '?')}"
+    class TimedLinear:   # the linear kernel, timed per weight name
+        prepare = staticmethod(linear.prepare)
+        __call__ = staticmethod(timers.wrap(lambda x, prepared, *rest: f"linear {names.get(id(prepared), '?')}",
+                                            linear.__call__))
 
     class TimedFunctional:
-        linear = staticmethod(timers.wrap(linear_name, F.linear))
         embedding = staticmethod(timers.wrap("embedding", F.embedding))
 
     llama.F = TimedFunctional
-    timed = {op: dataclasses.replace(v, fn=timers.wrap(f"{op} ({v.name})", v.fn)) for op, v in chosen.items()}
+    timed = {op: dataclasses.replace(v, fn=timers.wrap(f"{op} ({v.name})", v.fn))
+             for op, v in chosen.items() if op not in ("rope_write_kv", "linear")}
+    timed["linear"] = dataclasses.replace(chosen["linear"], fn=TimedLinear())
     # rope_write_kv is a per-step factory: time the per-layer function it returns
     factory = chosen["rope_write_kv"].fn
     timed["rope_write_kv"] = dataclasses.replace(

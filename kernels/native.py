@@ -14,6 +14,7 @@ build failed); the kernel table then falls back to the Paddle reference kernels 
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import logging
@@ -26,10 +27,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
 
+from fd_kernels.linear import PORTABLE_LINEAR
+
 log = logging.getLogger(__name__)
 
 _CSRC: Final = Path(__file__).parent / "csrc"
-SOURCES: Final = tuple(_CSRC / name for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc", "swiglu.cc"))
+SOURCES: Final = tuple(_CSRC / name for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc", "swiglu.cc",
+                                                  "packed_linear.cc"))
 HEADERS: Final = tuple(sorted(_CSRC.glob("*.h")))
 # OpenMP: the kernels run on Intel's runtime (libiomp5, which Paddle's MKL uses): one thread pool
 # for the matmuls and these kernels, so neither spins against the other's threads. No FP traps or
@@ -75,7 +79,8 @@ def paddle_libs() -> Path:
 
 
 def load_native(capabilities: Collection[str]) -> ModuleType:
-    """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``, ``fd_swiglu``) built for
+    """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``, ``fd_swiglu``,
+    ``fd_pack_weight``, ``fd_packed_linear``) built for
     ``capabilities``; builds on first use."""
     flags = isa_flags(capabilities)
     folder = cache_dir(flags)
@@ -134,6 +139,46 @@ def prepare_swiglu(capabilities: Collection[str]) -> Callable[..., Any]:
         return op(x, threads)
 
     return swiglu_cpp
+
+
+class PackedLinear:
+    """Float32 weights packed once into MKL's GEMM layout (``csrc/packed_linear.cc``); other dtypes
+    go through the portable linear. Same contract as ``fd_kernels.linear.PortableLinear``."""
+
+    name = "mkl_packed"
+
+    def __init__(self, ops: ModuleType) -> None:
+        self._ops = ops
+
+    def prepare(self, weight: Any, *, transposed: bool = False) -> Any:
+        """The packed weight (a uint8 tensor that must stay where it is) and its output width."""
+        if str(weight.dtype) not in ("paddle.float32", "float32"):
+            return PORTABLE_LINEAR.prepare(weight, transposed=transposed)
+        width = weight.shape[0] if transposed else weight.shape[1]
+        return _Packed(self._ops.fd_pack_weight(weight, transposed), width)
+
+    def __call__(self, x: Any, prepared: Any, bias: Any = None) -> Any:
+        if not isinstance(prepared, _Packed):
+            return PORTABLE_LINEAR(x, prepared, bias)
+        out = self._ops.fd_packed_linear(x, prepared.data, prepared.width)
+        return out if bias is None else out + bias
+
+
+class _Packed:
+    __slots__ = ("data", "width")
+
+    def __init__(self, data: Any, width: int) -> None:
+        self.data, self.width = data, width
+
+
+def prepare_linear(capabilities: Collection[str]) -> PackedLinear:
+    """The C++ ``linear`` variant: weights packed for MKL's GEMM, which must be in Paddle's wheel
+    (``libmklml_intel.so``, loaded here so the kernels find its entry points)."""
+    mkl = paddle_libs() / "libmklml_intel.so"
+    if not mkl.exists():
+        raise NativeKernelsUnavailable(f"Paddle's wheel has no {mkl.name} (MKL's packed GEMM)")
+    ctypes.CDLL(str(mkl), mode=ctypes.RTLD_GLOBAL)
+    return PackedLinear(load_native(capabilities))
 
 
 def _threads() -> int:

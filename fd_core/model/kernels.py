@@ -19,7 +19,7 @@ from typing import Any, Final
 from fd_core.contracts.platform import CPP_KERNELS, FUSED_RMS_NORM
 import paddle.nn.functional as F
 
-from fd_kernels import native, paged_attention, rms_norm
+from fd_kernels import linear, native, paged_attention, rms_norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,10 @@ KERNEL_VARIANTS: Final[dict[str, tuple[KernelVariant, ...]]] = {
     "rope_write_kv": (
         KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_rope_write_kv),
         KernelVariant("reference", frozenset(), paged_attention.rope_write_kv_reference),
+    ),
+    "linear": (
+        KernelVariant("mkl_packed", frozenset({CPP_KERNELS}), None, native.prepare_linear),
+        KernelVariant("portable", frozenset(), linear.PORTABLE_LINEAR),
     ),
     "swiglu": (
         KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_swiglu),
@@ -73,6 +77,12 @@ class KernelSet:
         """``(cos, sin, attn, num_heads) -> layer(qkv, k_cache, v_cache) -> q``, once per step; see
         ``fd_kernels.paged_attention.rope_write_kv_reference``."""
         return self.chosen["rope_write_kv"].fn
+
+    @property
+    def linear(self) -> Any:
+        """``.prepare(weight, transposed=False)`` once per weight, then ``(x, prepared, bias=None) ->
+        x @ weight``; see ``fd_kernels.linear``."""
+        return self.chosen["linear"].fn
 
     @property
     def swiglu(self) -> Callable[..., Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import paddle
@@ -34,15 +34,16 @@ SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 @dataclass(frozen=True, slots=True)
 class _LayerWeights:
-    """One decoder layer's tensors; linear weights are ``[in, out]`` (paddle's convention)."""
+    """One decoder layer's tensors; linear weights are ``[in, out]`` (paddle's convention), as the
+    kernel set's ``linear.prepare`` returned them."""
 
     input_norm: paddle.Tensor       # [hidden]
-    qkv: paddle.Tensor              # [hidden, (H + 2 * Hkv) * head_dim]: q (pre-scaled), k, v
+    qkv: Any                        # [hidden, (H + 2 * Hkv) * head_dim]: q (pre-scaled), k, v
     qkv_bias: paddle.Tensor | None  # [(H + 2 * Hkv) * head_dim] when attention_bias, same order
-    o: paddle.Tensor                # [H * head_dim, hidden]
+    o: Any                          # [H * head_dim, hidden]
     post_norm: paddle.Tensor        # [hidden]
-    gate_up: paddle.Tensor          # [hidden, 2 * intermediate]: gate, then up columns
-    down: paddle.Tensor             # [intermediate, hidden]
+    gate_up: Any                    # [hidden, 2 * intermediate]: gate, then up columns
+    down: Any                       # [intermediate, hidden]
 
 
 def _rope_tables(arch: LlamaArchConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -87,8 +88,8 @@ class LlamaForCausalLM:
         def tensor(array: np.ndarray) -> paddle.Tensor:
             return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=dtype)
 
-        def linear(*blocks: np.ndarray) -> paddle.Tensor:  # HF [out, in] blocks -> [in, sum(out)]
-            return tensor(np.concatenate(blocks, axis=0).T)
+        def linear(*blocks: np.ndarray) -> Any:  # HF [out, in] blocks -> [in, sum(out)], prepared
+            return kernels.linear.prepare(tensor(np.concatenate(blocks, axis=0).T))
 
         self.embed_tokens = tensor(weights["model.embed_tokens.weight"])     # [vocab, hidden]
         self.layers: list[_LayerWeights] = []
@@ -108,9 +109,9 @@ class LlamaForCausalLM:
                 down=linear(weights[f"{p}mlp.down_proj.weight"]),
             ))
         self.norm = tensor(weights["model.norm.weight"])
-        # [vocab, hidden], multiplied with transpose_y so a tied head shares the embedding.
-        self.lm_head = (self.embed_tokens if arch.tie_word_embeddings
-                        else tensor(weights["lm_head.weight"]))
+        # [vocab, hidden], applied transposed (a tied head reads the embedding).
+        self.lm_head = kernels.linear.prepare(self.embed_tokens if arch.tie_word_embeddings
+                                              else tensor(weights["lm_head.weight"]), transposed=True)
         cos, sin = _rope_tables(arch)
         self.rope_cos = tensor(cos)
         self.rope_sin = tensor(sin)
@@ -131,22 +132,23 @@ class LlamaForCausalLM:
         num_tokens = input_ids.shape[0]
         rope_write_kv = self.kernels.rope_write_kv(self.rope_cos, self.rope_sin, attn, heads)
         attention = self.kernels.attention
+        linear = self.kernels.linear
         x = F.embedding(input_ids, self.embed_tokens)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             h, residual = self._norm(x, layer.input_norm, residual)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).reshape([num_tokens, -1, head_dim])
+            qkv = linear(h, layer.qkv, layer.qkv_bias).reshape([num_tokens, -1, head_dim])
             q = rope_write_kv(qkv, cache.key, cache.value)
             out = attention(q, cache.key, cache.value, attn)
-            x = F.linear(out.reshape([num_tokens, heads * head_dim]), layer.o)
+            x = linear(out.reshape([num_tokens, heads * head_dim]), layer.o)
             h, residual = self._norm(x, layer.post_norm, residual)
-            x = F.linear(self.kernels.swiglu(F.linear(h, layer.gate_up)), layer.down)
+            x = linear(self.kernels.swiglu(linear(h, layer.gate_up)), layer.down)
         if attn.sample_indices.shape[0] == 0:
             return paddle.zeros([0, arch.vocab_size], dtype="float32")
         # Only sampled rows need the final norm and the (large) vocabulary projection.
         h, _ = self._norm(paddle.gather(x, attn.sample_indices), self.norm,
                           paddle.gather(residual, attn.sample_indices))
-        return paddle.matmul(h, self.lm_head, transpose_y=True).astype("float32")
+        return linear(h, self.lm_head).astype("float32")
 
     __call__ = forward
 

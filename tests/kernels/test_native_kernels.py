@@ -36,7 +36,8 @@ def _prepared(prepare):
 def cpp():
     """The C++ variants built for this host's declared capabilities (skipped without a compiler)."""
     return {"attention": _prepared(native.prepare_attention), "rms_norm": _prepared(native.prepare_rms_norm),
-            "rope_write_kv": _prepared(native.prepare_rope_write_kv), "swiglu": _prepared(native.prepare_swiglu)}
+            "rope_write_kv": _prepared(native.prepare_rope_write_kv), "swiglu": _prepared(native.prepare_swiglu),
+            "linear": _prepared(native.prepare_linear)}
 
 
 def _step(rng: np.random.Generator, rows: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int):
@@ -121,9 +122,29 @@ def test_cpp_swiglu_matches_paddles(cpp, tokens: int) -> None:
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64, 700])   # one packing serves every row count
+@pytest.mark.parametrize("transposed", [False, True])
+def test_packed_linear_matches_paddles(cpp, rows: int, transposed: bool) -> None:
+    rng = np.random.default_rng(rows)
+    weight = _random(rng, *((320, 96) if transposed else (96, 320)))   # [in, out], or [out, in]
+    x, bias = _random(rng, rows, 96), _random(rng, 320)
+    prepared = cpp["linear"].prepare(weight, transposed=transposed)
+    want = (x @ (weight.T if transposed else weight) + bias).numpy()
+    np.testing.assert_allclose(cpp["linear"](x, prepared, bias).numpy(), want, rtol=1e-5, atol=1e-5)
+    assert cpp["linear"](x[:0], prepared).shape == [0, 320]
+
+
+def test_a_weight_that_is_not_float32_is_left_to_the_portable_linear(cpp) -> None:
+    weight = paddle.ones([8, 4], dtype="float64")   # bfloat16 models take this path too
+    prepared = cpp["linear"].prepare(weight)
+    out = cpp["linear"](paddle.ones([3, 8], dtype="float64"), prepared)
+    assert out.dtype == paddle.float64 and float(out[0, 0]) == 8.0
+
+
 def test_the_start_up_line_names_the_cpp_kernels_or_why_not(cpp) -> None:
     line = select_kernels(CpuPlatform().capabilities).describe()
     assert all(f"{op}=cpp" in line for op in ("rms_norm", "rope_write_kv", "swiglu", "attention"))
+    assert "linear=mkl_packed" in line
     portable = select_kernels({"paged_attention"}).describe()
     assert "attention=reference (cpp needs cpp_kernels)" in portable
     assert "rms_norm=portable (cpp needs cpp_kernels, fused needs fused_rms_norm)" in portable

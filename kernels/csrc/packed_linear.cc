@@ -1,0 +1,98 @@
+// Linear layers on weights packed once into MKL's internal GEMM layout.
+//
+//   fd_pack_weight(weight [k, n] float32, transposed=false) -> packed (uint8, MKL's layout)
+//       packs B = weight, or B = weight^T for a [n, k] weight (a tied lm_head) when transposed;
+//   fd_packed_linear(x [..., k] float32, packed, n) -> [..., n] = x @ B
+//
+// Packing moves the per-call repacking of B out of every step: at a decode step's few rows it
+// is a large share of the matmul. MKL's entry points are found in the process (Paddle's
+// libmklml_intel.so, loaded with RTLD_GLOBAL by fd_kernels.native before these ops run); MKL runs
+// them on its own thread count, the one Paddle's matmuls use. The packed buffer is a Paddle tensor
+// that never moves (MKL's layout must not be copied to another address).
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "paddle/extension.h"
+
+namespace {
+
+// CBLAS constants (mkl_cblas.h).
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kBMatrix = 162, kPacked = 151;
+// The row count the packing is sized for; MKL's packed B serves any row count.
+constexpr int kPackRows = 64;
+
+struct Mkl {
+  size_t (*get_size)(int, int, int, int);
+  void (*pack)(int, int, int, int, int, int, float, const float*, int, float*);
+  void (*compute)(int, int, int, int, int, int, const float*, int, const float*, int, float, float*, int);
+};
+
+const Mkl& mkl() {
+  static const Mkl found = [] {
+    Mkl m{};
+    m.get_size = reinterpret_cast<decltype(m.get_size)>(dlsym(RTLD_DEFAULT, "cblas_sgemm_pack_get_size"));
+    m.pack = reinterpret_cast<decltype(m.pack)>(dlsym(RTLD_DEFAULT, "cblas_sgemm_pack"));
+    m.compute = reinterpret_cast<decltype(m.compute)>(dlsym(RTLD_DEFAULT, "cblas_sgemm_compute"));
+    return m;
+  }();
+  PD_CHECK(found.get_size && found.pack && found.compute,
+           "fd_packed_linear: MKL's cblas_sgemm_pack/compute are not loaded in this process");
+  return found;
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& weight, bool transposed) {
+  PD_CHECK(weight.dtype() == paddle::DataType::FLOAT32 && weight.shape().size() == 2,
+           "fd_pack_weight: a 2-D float32 weight");
+  const int rows = static_cast<int>(weight.shape()[0]), cols = static_cast<int>(weight.shape()[1]);
+  const int k = transposed ? cols : rows, n = transposed ? rows : cols;
+  const Mkl& m = mkl();
+  const auto bytes = static_cast<int64_t>(m.get_size(kBMatrix, kPackRows, n, k));
+  auto packed = paddle::empty({bytes}, paddle::DataType::UINT8, weight.place());
+  m.pack(kRowMajor, kBMatrix, transposed ? kTrans : kNoTrans, kPackRows, n, k, 1.0f, weight.data<float>(), cols,
+         reinterpret_cast<float*>(packed.data<uint8_t>()));
+  return {packed};
+}
+
+std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x, const paddle::Tensor& packed, int n) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "fd_packed_linear: float32 input");
+  auto shape = x.shape();
+  const int k = static_cast<int>(shape.back());
+  const int rows = static_cast<int>(x.numel() / k);
+  shape.back() = n;
+  auto out = paddle::empty(shape, x.dtype(), x.place());
+  if (rows > 0)
+    mkl().compute(kRowMajor, kNoTrans, kPacked, rows, n, k, x.data<float>(), k,
+                  reinterpret_cast<const float*>(packed.data<uint8_t>()), n, 0.0f, out.data<float>(), n);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> PackWeightShape(const std::vector<int64_t>&) { return {{-1}}; }
+std::vector<paddle::DataType> PackWeightDtype(const paddle::DataType&) { return {paddle::DataType::UINT8}; }
+
+std::vector<std::vector<int64_t>> PackedLinearShape(const std::vector<int64_t>& x, const std::vector<int64_t>&, int n) {
+  auto shape = x;
+  shape.back() = n;
+  return {shape};
+}
+std::vector<paddle::DataType> PackedLinearDtype(const paddle::DataType& x, const paddle::DataType&) { return {x}; }
+
+PD_BUILD_OP(fd_pack_weight)
+    .Inputs({"Weight"})
+    .Outputs({"Packed"})
+    .Attrs({"transposed: bool"})
+    .SetKernelFn(PD_KERNEL(PackWeight))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackWeightShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackWeightDtype));
+
+PD_BUILD_OP(fd_packed_linear)
+    .Inputs({"X", "Packed"})
+    .Outputs({"Out"})
+    .Attrs({"n: int"})
+    .SetKernelFn(PD_KERNEL(PackedLinear))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackedLinearShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackedLinearDtype));

@@ -1,0 +1,34 @@
+"""Linear layers: a weight is prepared once (``prepare``) and applied every step (``__call__``).
+
+``PortableLinear`` keeps the weight as given and calls Paddle's matmul; the C++ variant
+(``fd_kernels.native.prepare_linear``) packs float32 weights once into MKL's GEMM layout, so no
+step repacks them. Both take Paddle-layout weights ``[in, out]``, or ``[out, in]`` with
+``transposed=True`` (a head tied to the embedding), and return ``x @ weight (+ bias)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+
+
+class PortableLinear:
+    """``F.linear`` / ``matmul(transpose_y)`` on the weight as given: every device and dtype."""
+
+    name = "portable"
+
+    def prepare(self, weight: paddle.Tensor, *, transposed: bool = False) -> Any:
+        """What :meth:`__call__` takes for ``weight`` (here: the weight itself)."""
+        return (weight, transposed)
+
+    def __call__(self, x: paddle.Tensor, prepared: Any, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+        weight, transposed = prepared
+        if transposed:
+            out = paddle.matmul(x, weight, transpose_y=True)
+            return out if bias is None else out + bias
+        return F.linear(x, weight, bias)
+
+
+PORTABLE_LINEAR = PortableLinear()
