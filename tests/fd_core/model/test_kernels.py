@@ -32,6 +32,8 @@ def test_every_op_ends_with_a_variant_that_needs_nothing() -> None:
 def test_describe_says_what_a_better_kernel_would_need() -> None:
     assert PORTABLE_KERNELS.describe() == ("rms_norm=portable (cpp needs cpp_kernels, fused needs fused_rms_norm); "
                                            "rope_write_kv=reference (cpp needs cpp_kernels); "
+                                           "linear=portable (mkl_packed needs cpp_kernels); "
+                                           "swiglu=portable (cpp needs cpp_kernels); "
                                            "attention=reference (cpp needs cpp_kernels)")
     assert select_kernels({FUSED_RMS_NORM}).describe().startswith("rms_norm=fused (cpp needs cpp_kernels); ")
 
