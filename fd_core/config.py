@@ -60,6 +60,11 @@ class CacheSection(_Section):
     """The paged KV cache."""
 
     block_size: int = Field(16, gt=0, description="Tokens per KV block.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description=(
+            "Storage dtype of the KV cache; `auto` is `model.dtype`. `bfloat16` with a float32 model halves "
+            "the cache's memory and the attention's memory traffic (math stays float32; outputs are close "
+            "to, not identical with, the float32 cache's)."))
     memory_utilization: float | None = Field(
         None, gt=0, le=1, description=(
             "Share of device memory the engine may use (weights + KV). Unset: 0.3, and a KV pool in "
@@ -69,6 +74,11 @@ class CacheSection(_Section):
     enable_prefix_caching: bool | None = Field(
         None, description="Reuse KV blocks of shared prompt prefixes. Unset: on when the resource manager "
                           "supports it (v1), off otherwise; true with one that does not (v0) is an error.")
+
+
+def kv_cache_dtype(config: FdConfig) -> str:
+    """The KV cache's storage dtype: ``cache.dtype``, or ``model.dtype`` for ``auto``."""
+    return config.model.dtype if config.cache.dtype == "auto" else config.cache.dtype
 
 
 class EngineSection(_Section):

@@ -14,7 +14,6 @@ build failed); the kernel table then falls back to the Paddle reference kernels 
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import logging
@@ -147,15 +146,16 @@ class PackedLinear:
 
     name = "mkl_packed"
 
-    def __init__(self, ops: ModuleType) -> None:
+    def __init__(self, ops: ModuleType, mkl: Path) -> None:
         self._ops = ops
+        self._mkl = str(mkl)
 
     def prepare(self, weight: Any, *, transposed: bool = False) -> Any:
         """The packed weight (a uint8 tensor that must stay where it is) and its output width."""
         if str(weight.dtype) not in ("paddle.float32", "float32"):
             return PORTABLE_LINEAR.prepare(weight, transposed=transposed)
         width = weight.shape[0] if transposed else weight.shape[1]
-        return _Packed(self._ops.fd_pack_weight(weight, transposed), width)
+        return _Packed(self._ops.fd_pack_weight(weight, transposed, self._mkl), width)
 
     def __call__(self, x: Any, prepared: Any, bias: Any = None) -> Any:
         if not isinstance(prepared, _Packed):
@@ -173,12 +173,11 @@ class _Packed:
 
 def prepare_linear(capabilities: Collection[str]) -> PackedLinear:
     """The C++ ``linear`` variant: weights packed for MKL's GEMM, which must be in Paddle's wheel
-    (``libmklml_intel.so``, loaded here so the kernels find its entry points)."""
+    (``libmklml_intel.so``)."""
     mkl = paddle_libs() / "libmklml_intel.so"
     if not mkl.exists():
         raise NativeKernelsUnavailable(f"Paddle's wheel has no {mkl.name} (MKL's packed GEMM)")
-    ctypes.CDLL(str(mkl), mode=ctypes.RTLD_GLOBAL)
-    return PackedLinear(load_native(capabilities))
+    return PackedLinear(load_native(capabilities), mkl)
 
 
 def _threads() -> int:

@@ -97,11 +97,14 @@ def write_kv_cache(key: paddle.Tensor, value: paddle.Tensor, k_cache: paddle.Ten
     """Write new ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into the caches in place.
 
     ``index`` comes from :func:`write_index`. ``scatter_`` on a reshape view updates the
-    cache's own buffer (same ``data_ptr``, cost independent of the cache size).
+    cache's own buffer (same ``data_ptr``, cost independent of the cache size). A cache of
+    another dtype (a bfloat16 cache of a float32 model) gets the values cast to it.
     """
     head_dim = k_cache.shape[-1]
-    k_cache.reshape([-1, head_dim]).scatter_(index, key.reshape([-1, head_dim]), overwrite=True)
-    v_cache.reshape([-1, head_dim]).scatter_(index, value.reshape([-1, head_dim]), overwrite=True)
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        new = new.reshape([-1, head_dim])
+        cache.reshape([-1, head_dim]).scatter_(index, new if new.dtype == cache.dtype else new.astype(cache.dtype),
+                                               overwrite=True)
 
 
 def _scaled(q: paddle.Tensor, scale: float) -> paddle.Tensor:
@@ -109,11 +112,13 @@ def _scaled(q: paddle.Tensor, scale: float) -> paddle.Tensor:
     return q if scale == 1.0 else q * scale
 
 
-def _read(cache: paddle.Tensor, index: paddle.Tensor, rows: int) -> paddle.Tensor:
-    """Gather ``[rows, num_kv_heads, context, head_dim]`` from a cache via a gather index."""
+def _read(cache: paddle.Tensor, index: paddle.Tensor, rows: int, dtype: paddle.dtype) -> paddle.Tensor:
+    """Gather ``[rows, num_kv_heads, context, head_dim]`` from a cache via a gather index, as ``dtype``
+    (the queries' dtype: a bfloat16 cache of a float32 model is widened after the gather)."""
     _, num_kv_heads, block_size, head_dim = cache.shape
     picked = paddle.gather(cache.reshape([-1, block_size * head_dim]), index)
-    return picked.reshape([rows, num_kv_heads, -1, head_dim])
+    picked = picked.reshape([rows, num_kv_heads, -1, head_dim])
+    return picked if picked.dtype == dtype else picked.astype(dtype)
 
 
 def decode_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor,
@@ -127,8 +132,8 @@ def decode_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.T
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     # 3-D batched matmuls over (row, kv head) pairs: faster than 4-D on Paddle's CPU build.
-    k = _read(k_cache, index, rows).reshape([rows * num_kv_heads, -1, head_dim])
-    v = _read(v_cache, index, rows).reshape([rows * num_kv_heads, -1, head_dim])
+    k = _read(k_cache, index, rows, q.dtype).reshape([rows * num_kv_heads, -1, head_dim])
+    v = _read(v_cache, index, rows, q.dtype).reshape([rows * num_kv_heads, -1, head_dim])
     q = _scaled(q, scale).reshape([rows * num_kv_heads, group, head_dim])
     scores = paddle.matmul(q, k, transpose_y=True) + mask.reshape([rows * num_kv_heads, group, -1])
     probs = paddle.nn.functional.softmax(scores, axis=-1)
@@ -145,8 +150,8 @@ def prefill_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    k = _read(k_cache, index, 1)[0]                     # [Hkv, L, D]
-    v = _read(v_cache, index, 1)[0]
+    k = _read(k_cache, index, 1, q.dtype)[0]            # [Hkv, L, D]
+    v = _read(v_cache, index, 1, q.dtype)[0]
     # q is usually a strided view of the qkv projection; Paddle's copy of a transposed
     # strided view is ~20x slower than of a transposed contiguous tensor (0.8 vs 0.04 ms
     # for 128 queries), so one plain copy first.

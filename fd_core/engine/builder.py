@@ -61,6 +61,7 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     ..."), so that a process watching this one can say where start-up failed, even when a
     native kernel kills the process.
     """
+    from fd_core.config import kv_cache_dtype
     from fd_core.engine.core import EngineCore
     from fd_core.model.loader import load_model
     from fd_core.selection import resolve
@@ -76,6 +77,7 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     process_note = platform.prepare_process()
     report("choosing kernels (the C++ kernels are built on first use, then cached)")
     kernels = choose_kernels(platform, selection.platform_reason, worker_env, process_note)
+    _check_kv_cache_dtype(config, kernels)
 
     stage = f"loading the model {config.model.source!r}"
     report(stage)
@@ -92,7 +94,7 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     from fd_core.runner.sampling import Sampler
 
     runner = ModelRunner(arch, loaded.weights, num_blocks=kv.num_blocks, block_size=config.cache.block_size,
-                         dtype=config.model.dtype, device=platform.device_string(),
+                         dtype=config.model.dtype, kv_dtype=kv_cache_dtype(config), device=platform.device_string(),
                          sampler=Sampler(seed=config.model.seed), num_threads=platform.num_threads(),
                          kernels=kernels)
     report(f"warm-up forward pass (kernels: {kernels.describe()})")
@@ -138,6 +140,17 @@ def choose_kernels(platform: Platform, platform_reason: str, worker_env: dict[st
     return kernels
 
 
+def _check_kv_cache_dtype(config: FdConfig, kernels: KernelSet) -> None:
+    """A KV cache stored in another dtype than the model computes in needs the C++ kernels (the
+    reference kernels' scatter has no bfloat16 kernel on CPU)."""
+    from fd_core.config import kv_cache_dtype
+
+    stored = kv_cache_dtype(config)
+    if stored != config.model.dtype and kernels.reads_gather_inputs:
+        raise ConfigError("cache.dtype", f"{stored!r} with model.dtype {config.model.dtype!r} needs the C++ "
+                                         f"attention and RoPE + KV write kernels; here: {kernels.describe()}")
+
+
 def _max_model_len(config: FdConfig, arch: LlamaArchConfig) -> int:
     wanted = config.model.max_model_len
     if wanted is None:
@@ -177,10 +190,11 @@ def plan_kv_pool(config: FdConfig, arch: LlamaArchConfig, platform: Platform, *,
     :data:`HOST_DEFAULT_KV_CAP_BYTES` (never below one full-length request): RAM is shared with
     everything else on the machine, and most deployments of a small model need far less.
     """
+    from fd_core.config import kv_cache_dtype
     from fd_core.runner.kv_cache import kv_cache_bytes_per_block
 
     block_size = config.cache.block_size
-    per_block = kv_cache_bytes_per_block(arch, block_size, config.model.dtype)
+    per_block = kv_cache_bytes_per_block(arch, block_size, kv_cache_dtype(config))
     blocks_per_seq = -(-max_model_len // block_size)
     if config.cache.num_blocks is not None:
         return KVPlan(config.cache.num_blocks, per_block, "cache.num_blocks")

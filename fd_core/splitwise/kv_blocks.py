@@ -22,18 +22,20 @@ class KVBlockViews:
     """NumPy views of every layer's K and V cache tensors (host memory only)."""
 
     def __init__(self, caches: Sequence[LayerKVCache]) -> None:
-        self._arrays = [np.from_dlpack(tensor) for layer in caches for tensor in (layer.key, layer.value)]
+        self._arrays = [_host_array(tensor) for layer in caches for tensor in (layer.key, layer.value)]
         first = self._arrays[0]
         self.num_blocks = first.shape[0]
         self.block_shape = tuple(first.shape[1:])
         self.dtype = first.dtype
+        self._dtype_name = "bfloat16" if _is_bfloat16(caches[0].key) else str(first.dtype)
         self.bytes_per_block = sum(a[0].nbytes for a in self._arrays)
 
     @property
     def layout(self) -> str:
         """What must be equal on both sides for blocks to fit: buffers, their shape and dtype."""
         heads, block_size, head_dim = self.block_shape
-        return f"buffers={len(self._arrays)},kv_heads={heads},block_size={block_size},head_dim={head_dim},dtype={self.dtype}"
+        return (f"buffers={len(self._arrays)},kv_heads={heads},block_size={block_size},head_dim={head_dim},"
+                f"dtype={self._dtype_name}")
 
     def read(self, block_id: int) -> list[memoryview]:
         """The block's buffers, sharing memory with the cache (valid while the block is held)."""
@@ -49,3 +51,16 @@ class KVBlockViews:
             if source.size != target.size:
                 raise ValueError(f"a block buffer has {target.nbytes} bytes here, got {source.nbytes}")
             target[...] = source.reshape(target.shape)
+
+
+def _is_bfloat16(tensor: object) -> bool:
+    import paddle
+
+    return tensor.dtype == paddle.bfloat16
+
+
+def _host_array(tensor: object) -> np.ndarray:
+    """A NumPy view of a cache tensor; bfloat16 (which NumPy lacks) as its uint16 bit patterns."""
+    import paddle
+
+    return np.from_dlpack(tensor.view(paddle.uint16) if _is_bfloat16(tensor) else tensor)

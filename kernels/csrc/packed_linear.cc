@@ -5,14 +5,15 @@
 //   fd_packed_linear(x [..., k] float32, packed, n) -> [..., n] = x @ B
 //
 // Packing moves the per-call repacking of B out of every step: at a decode step's few rows it
-// is a large share of the matmul. MKL's entry points are found in the process (Paddle's
-// libmklml_intel.so, loaded with RTLD_GLOBAL by fd_kernels.native before these ops run); MKL runs
-// them on its own thread count, the one Paddle's matmuls use. The packed buffer is a Paddle tensor
+// is a large share of the matmul. MKL's entry points come from Paddle's libmklml_intel.so (its
+// path given at the first packing; the same library instance Paddle's matmuls use, so the same
+// thread count). The packed buffer is a Paddle tensor
 // that never moves (MKL's layout must not be copied to another address).
 
 #include <dlfcn.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -30,27 +31,32 @@ struct Mkl {
   void (*compute)(int, int, int, int, int, int, const float*, int, const float*, int, float, float*, int);
 };
 
-const Mkl& mkl() {
-  static const Mkl found = [] {
+// MKL's entry points in the library at `path` (Paddle's libmklml_intel.so), opened locally: its
+// symbols must not become global, where they would interpose on another MKL in the process (torch's).
+const Mkl& mkl(const std::string& path = "") {
+  static const Mkl found = [&] {
     Mkl m{};
-    m.get_size = reinterpret_cast<decltype(m.get_size)>(dlsym(RTLD_DEFAULT, "cblas_sgemm_pack_get_size"));
-    m.pack = reinterpret_cast<decltype(m.pack)>(dlsym(RTLD_DEFAULT, "cblas_sgemm_pack"));
-    m.compute = reinterpret_cast<decltype(m.compute)>(dlsym(RTLD_DEFAULT, "cblas_sgemm_compute"));
+    void* library = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (library != nullptr) {
+      m.get_size = reinterpret_cast<decltype(m.get_size)>(dlsym(library, "cblas_sgemm_pack_get_size"));
+      m.pack = reinterpret_cast<decltype(m.pack)>(dlsym(library, "cblas_sgemm_pack"));
+      m.compute = reinterpret_cast<decltype(m.compute)>(dlsym(library, "cblas_sgemm_compute"));
+    }
     return m;
   }();
-  PD_CHECK(found.get_size && found.pack && found.compute,
-           "fd_packed_linear: MKL's cblas_sgemm_pack/compute are not loaded in this process");
+  PD_CHECK(found.get_size && found.pack && found.compute, "fd_packed_linear: MKL's cblas_sgemm_pack/compute not found",
+           path.empty() ? "" : " in ", path);
   return found;
 }
 
 }  // namespace
 
-std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& weight, bool transposed) {
+std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& weight, bool transposed, const std::string& mkl_path) {
   PD_CHECK(weight.dtype() == paddle::DataType::FLOAT32 && weight.shape().size() == 2,
            "fd_pack_weight: a 2-D float32 weight");
   const int rows = static_cast<int>(weight.shape()[0]), cols = static_cast<int>(weight.shape()[1]);
   const int k = transposed ? cols : rows, n = transposed ? rows : cols;
-  const Mkl& m = mkl();
+  const Mkl& m = mkl(mkl_path);
   const auto bytes = static_cast<int64_t>(m.get_size(kBMatrix, kPackRows, n, k));
   auto packed = paddle::empty({bytes}, paddle::DataType::UINT8, weight.place());
   m.pack(kRowMajor, kBMatrix, transposed ? kTrans : kNoTrans, kPackRows, n, k, 1.0f, weight.data<float>(), cols,
@@ -84,7 +90,7 @@ std::vector<paddle::DataType> PackedLinearDtype(const paddle::DataType& x, const
 PD_BUILD_OP(fd_pack_weight)
     .Inputs({"Weight"})
     .Outputs({"Packed"})
-    .Attrs({"transposed: bool"})
+    .Attrs({"transposed: bool", "mkl_path: std::string"})
     .SetKernelFn(PD_KERNEL(PackWeight))
     .SetInferShapeFn(PD_INFER_SHAPE(PackWeightShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PackWeightDtype));

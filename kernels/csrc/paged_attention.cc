@@ -1,7 +1,7 @@
 // Paged attention of a whole step, reading K/V blocks in place (no gather copy).
 //
 // q            float32 [T, H, D]            the step's queries, row after row (contiguous)
-// k/v cache    float32 [N, Hkv, bs, D]      (the layout of fd_kernels/paged_attention.py)
+// k/v cache    float32 or bfloat16 [N, Hkv, bs, D]   (the layout of fd_kernels/paged_attention.py)
 // block_tables int64   [R, W]               row r's blocks, in order
 // starts       int64   [R]                  position of row r's first new token
 // query_lens   int64   [R]                  row r's new tokens (1 for a decode row)
@@ -15,7 +15,8 @@
 // exp and sum), and the weighted sum of the values (each value vector read once per block and
 // query from L1). With AVX2 + FMA declared the micro-kernels use intrinsics; otherwise loops
 // written for the compiler's vectoriser. The ISA flags come from the capabilities the platform
-// declared. Tasks are spread over OpenMP threads when the step is large enough to pay for them.
+// declared. A bfloat16 cache is widened to float32 as it is read (kv_types.h): math stays fp32.
+// Tasks are spread over OpenMP threads when the step is large enough to pay for them.
 
 #include <algorithm>
 #include <cstdint>
@@ -26,6 +27,7 @@
 #endif
 
 #include "fast_exp.h"
+#include "kv_types.h"
 #include "paddle/extension.h"
 
 namespace {
@@ -49,14 +51,14 @@ inline __m128 sum_lanes4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 // scores[m * stride + j] = q_m . k_j for MQ query vectors (rows of q) and 4 keys (rows of k), d % 8 == 0.
-template <int MQ>
-inline void scores_4keys(const float* q, const float* k, int64_t d, float* scores, int64_t stride) {
+template <int MQ, typename T>
+inline void scores_4keys(const float* q, const T* k, int64_t d, float* scores, int64_t stride) {
   __m256 acc[MQ][4];
   for (int m = 0; m < MQ; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < d; c += 8) {
     __m256 key[4];
-    for (int j = 0; j < 4; ++j) key[j] = _mm256_loadu_ps(k + j * d + c);
+    for (int j = 0; j < 4; ++j) key[j] = load8(k + j * d + c);
     for (int m = 0; m < MQ; ++m) {
       const __m256 query = _mm256_loadu_ps(q + m * d + c);
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_fmadd_ps(query, key[j], acc[m][j]);
@@ -66,15 +68,17 @@ inline void scores_4keys(const float* q, const float* k, int64_t d, float* score
 }
 #endif
 
-inline float dot(const float* a, const float* b, int64_t d) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t c = 0; c < d; ++c) acc += a[c] * b[c];
+  for (int64_t c = 0; c < d; ++c) acc += a[c] * to_float(b[c]);
   return acc;
 }
 
 // scores[m * stride + j] = q_m . k_j for m < mq (rows of q) and j < n (rows of k).
-void block_scores(const float* q, int64_t mq, const float* k, int64_t n, int64_t d, float* scores, int64_t stride) {
+template <typename T>
+void block_scores(const float* q, int64_t mq, const T* k, int64_t n, int64_t d, float* scores, int64_t stride) {
   int64_t m = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if (d % 8 == 0) {
@@ -93,7 +97,8 @@ void block_scores(const float* q, int64_t mq, const float* k, int64_t n, int64_t
 }
 
 // out[0, d) += sum over j < n of p[j] * v_j (rows of v), the accumulator held in registers.
-void accumulate_values(const float* p, const float* v, int64_t n, int64_t d, float* out) {
+template <typename T>
+void accumulate_values(const float* p, const T* v, int64_t n, int64_t d, float* out) {
   int64_t c = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   for (; c + 64 <= d; c += 64) {
@@ -101,21 +106,21 @@ void accumulate_values(const float* p, const float* v, int64_t n, int64_t d, flo
     for (int u = 0; u < 8; ++u) acc[u] = _mm256_loadu_ps(out + c + 8 * u);
     for (int64_t j = 0; j < n; ++j) {
       const __m256 weight = _mm256_set1_ps(p[j]);
-      const float* row = v + j * d + c;
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * u), acc[u]);
+      const T* row = v + j * d + c;
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(weight, load8(row + 8 * u), acc[u]);
     }
     for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + c + 8 * u, acc[u]);
   }
   for (; c + 8 <= d; c += 8) {
     __m256 acc = _mm256_loadu_ps(out + c);
-    for (int64_t j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * d + c), acc);
+    for (int64_t j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v + j * d + c), acc);
     _mm256_storeu_ps(out + c, acc);
   }
 #endif
   for (int64_t j = 0; j < n; ++j) {
-    const float* row = v + j * d;
+    const T* row = v + j * d;
 #pragma omp simd
-    for (int64_t i = c; i < d; ++i) out[i] += p[j] * row[i];
+    for (int64_t i = c; i < d; ++i) out[i] += p[j] * to_float(row[i]);
   }
 }
 
@@ -140,7 +145,8 @@ struct Scratch {
 };
 
 // Attention of `task.count` consecutive queries of one row for the query heads of one kv head.
-void attend_tile(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, const Task& task,
+template <typename T>
+[[gnu::noinline]] void attend_tile(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, const Task& task,
                  const Shapes& s, float scale, float* out, Scratch& scratch) {
   const int64_t group = s.heads / s.kv_heads;
   const int64_t d = s.head_dim;
@@ -160,7 +166,7 @@ void attend_tile(const float* q, const float* k_cache, const float* v_cache, con
 #pragma omp simd
     for (int64_t c = 0; c < d; ++c) queries[m * d + c] = src[c] * scale;
   }
-  auto block_of = [&](const float* cache, int64_t b) {
+  auto block_of = [&](const T* cache, int64_t b) {
     return cache + (table[b] * s.kv_heads + task.kv_head) * bs * d;
   };
   const int64_t blocks = (keys + bs - 1) / bs;
@@ -184,7 +190,7 @@ void attend_tile(const float* q, const float* k_cache, const float* v_cache, con
     std::fill(row + seen, row + keys, 0.f);   // keys after this query's position
   }
   for (int64_t b = 0; b < blocks; ++b) {
-    const float* values = block_of(v_cache, b);
+    const T* values = block_of(v_cache, b);
     const int64_t n = std::min(bs, keys - b * bs);
     for (int64_t m = 0; m < mq; ++m) {
       const int64_t seen = std::min(n, task.first_pos + m / group + 1 - b * bs);
@@ -194,15 +200,32 @@ void attend_tile(const float* q, const float* k_cache, const float* v_cache, con
   for (int64_t m = 0; m < mq; ++m) std::copy_n(scratch.out.data() + m * d, d, out + offset(m));
 }
 
+template <typename T>
+void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache, const T* v_cache,
+               const int64_t* tables, const Shapes& s, float scale, float* out, int threads) {
+  const auto num_tasks = static_cast<int64_t>(tasks.size());
+#pragma omp parallel num_threads(threads)
+  {
+    const FlushDenormals flush;
+    Scratch scratch;
+#pragma omp for schedule(monotonic : dynamic)   // monotonic: an entry point libiomp5 has (see native.py)
+    for (int64_t t = 0; t < num_tasks; ++t) {
+      const Task& task = tasks[t];
+      attend_tile(q, k_cache, v_cache, tables + task.row * s.width, task, s, scale, out, scratch);
+    }
+  }
+}
+
 }  // namespace
 
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& starts, const paddle::Tensor& query_lens, float scale,
                                            int num_threads) {
-  PD_CHECK(q.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32 &&
-               v_cache.dtype() == paddle::DataType::FLOAT32,
-           "fd_paged_attention: float32 q and caches only");
+  const auto cache_dtype = k_cache.dtype();
+  PD_CHECK(q.dtype() == paddle::DataType::FLOAT32 && v_cache.dtype() == cache_dtype &&
+               (cache_dtype == paddle::DataType::FLOAT32 || cache_dtype == paddle::DataType::BFLOAT16),
+           "fd_paged_attention: float32 q, float32 or bfloat16 caches of one dtype");
   PD_CHECK(block_tables.dtype() == paddle::DataType::INT64 && starts.dtype() == paddle::DataType::INT64 &&
                query_lens.dtype() == paddle::DataType::INT64,
            "fd_paged_attention: int64 block tables, starts and query lengths");
@@ -231,22 +254,14 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
 
   auto out = paddle::empty(qs, q.dtype(), q.place());
   const float* qp = q.data<float>();
-  const float* kp = k_cache.data<float>();
-  const float* vp = v_cache.data<float>();
   float* op = out.data<float>();
   const auto num_tasks = static_cast<int64_t>(tasks.size());
   const int threads = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>({num_threads, num_tasks, work / kMinWorkPerThread})));
-#pragma omp parallel num_threads(threads)
-  {
-    const FlushDenormals flush;
-    Scratch scratch;
-#pragma omp for schedule(monotonic : dynamic)
-    for (int64_t t = 0; t < num_tasks; ++t) {
-      const Task& task = tasks[t];
-      attend_tile(qp, kp, vp, tables + task.row * s.width, task, s, scale, op, scratch);
-    }
-  }
+  if (cache_dtype == paddle::DataType::BFLOAT16)
+    run_tasks(tasks, qp, cache_data<Bf16>(k_cache), cache_data<Bf16>(v_cache), tables, s, scale, op, threads);
+  else
+    run_tasks(tasks, qp, cache_data<float>(k_cache), cache_data<float>(v_cache), tables, s, scale, op, threads);
   return {out};
 }
 

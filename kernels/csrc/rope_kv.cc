@@ -3,7 +3,8 @@
 // qkv          float32 [T, H + 2 * Hkv, D]  the projection: q heads, then k heads, then v heads
 // positions    int64   [T]
 // cos, sin     float32 [P, D]               sin with its first half negated (fd_core/model/llama.py)
-// k/v cache    float32 [N, Hkv, bs, D]      written in place at each token's slot
+// k/v cache    float32 or bfloat16 [N, Hkv, bs, D]   written in place at each token's slot (bfloat16:
+//                                            rounded to nearest even)
 // slots        int64   [T]                  block * bs + offset of each token
 // returns q    float32 [T, H, D]            rotated (contiguous, the attention kernel's input)
 //
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kv_types.h"
 #include "paddle/extension.h"
 
 namespace {
@@ -25,15 +27,43 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
   for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
+// Rotate every token's q heads into q, and its k heads (rotated) and v heads into the cache.
+template <typename T>
+void rope_write(const float* in, const int64_t* pos, const int64_t* slot, const float* cp, const float* sp,
+                float* qp, T* kp, T* vp, int64_t tokens, int64_t width, int64_t num_heads, int64_t kv_heads,
+                int64_t d, int64_t block_size, int64_t max_pos, int64_t cache_rows) {
+  std::vector<float> rotated(static_cast<size_t>(d));
+  for (int64_t t = 0; t < tokens; ++t) {
+    PD_CHECK(pos[t] >= 0 && pos[t] < max_pos, "fd_rope_write_kv: position ", pos[t], " outside the table");
+    const float* c = cp + pos[t] * d;
+    const float* s = sp + pos[t] * d;
+    const float* row = in + t * width * d;
+    for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * d, c, s, d, qp + (t * num_heads + h) * d);
+    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = (block * kv_heads + h) * block_size + offset;
+      PD_CHECK(at >= 0 && at < cache_rows, "fd_rope_write_kv: slot ", slot[t], " outside the cache");
+      rotate(row + (num_heads + h) * d, c, s, d, rotated.data());
+      const float* v = row + (num_heads + kv_heads + h) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        kp[at * d + i] = from_float<T>(rotated[i]);
+        vp[at * d + i] = from_float<T>(v[i]);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle::Tensor& positions,
                                         const paddle::Tensor& cos, const paddle::Tensor& sin,
                                         paddle::Tensor& k_cache, paddle::Tensor& v_cache,
                                         const paddle::Tensor& slots, int num_heads) {
-  PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32 && k_cache.dtype() == paddle::DataType::FLOAT32 &&
-               v_cache.dtype() == paddle::DataType::FLOAT32 && cos.dtype() == paddle::DataType::FLOAT32,
-           "fd_rope_write_kv: float32 only");
+  const auto cache_dtype = k_cache.dtype();
+  PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32 && cos.dtype() == paddle::DataType::FLOAT32 &&
+               v_cache.dtype() == cache_dtype &&
+               (cache_dtype == paddle::DataType::FLOAT32 || cache_dtype == paddle::DataType::BFLOAT16),
+           "fd_rope_write_kv: float32 qkv and tables, float32 or bfloat16 caches of one dtype");
   PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
            "fd_rope_write_kv: int64 positions and slots");
   const auto shape = qkv.shape();
@@ -49,24 +79,13 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
   const float* cp = cos.data<float>();
   const float* sp = sin.data<float>();
   float* qp = q.data<float>();
-  float* kp = k_cache.data<float>();
-  float* vp = v_cache.data<float>();
   const int64_t cache_rows = cs[0] * kv_heads * block_size;
-  for (int64_t t = 0; t < tokens; ++t) {
-    PD_CHECK(pos[t] >= 0 && pos[t] < max_pos, "fd_rope_write_kv: position ", pos[t], " outside the table");
-    const float* c = cp + pos[t] * d;
-    const float* s = sp + pos[t] * d;
-    const float* row = in + t * shape[1] * d;
-    for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * d, c, s, d, qp + (t * num_heads + h) * d);
-    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t at = (block * kv_heads + h) * block_size + offset;
-      PD_CHECK(at >= 0 && at < cache_rows, "fd_rope_write_kv: slot ", slot[t], " outside the cache");
-      rotate(row + (num_heads + h) * d, c, s, d, kp + at * d);
-      const float* v = row + (num_heads + kv_heads + h) * d;
-      std::copy(v, v + d, vp + at * d);
-    }
-  }
+  if (cache_dtype == paddle::DataType::BFLOAT16)
+    rope_write(in, pos, slot, cp, sp, qp, mutable_cache_data<Bf16>(k_cache), mutable_cache_data<Bf16>(v_cache), tokens,
+               shape[1], num_heads, kv_heads, d, block_size, max_pos, cache_rows);
+  else
+    rope_write(in, pos, slot, cp, sp, qp, mutable_cache_data<float>(k_cache), mutable_cache_data<float>(v_cache),
+               tokens, shape[1], num_heads, kv_heads, d, block_size, max_pos, cache_rows);
   return {q};
 }
 

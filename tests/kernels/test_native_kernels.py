@@ -67,12 +67,15 @@ def _rows(rng: np.random.Generator, block_size: int, case: str) -> list[tuple[in
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 2, 32)])
 @pytest.mark.parametrize("case", ["decode", "prefill", "ragged"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 def test_cpp_attention_matches_the_reference(cpp, block_size: int, heads: int, kv_heads: int, head_dim: int,
-                                             case: str) -> None:
+                                             case: str, cache_dtype: str) -> None:
+    """A bfloat16 cache: both read the same stored values, widened to float32 (the reference after
+    its gather), so the float32 tolerance holds."""
     rng = np.random.default_rng(block_size * 1000 + heads * 10 + len(case))
     attn = _step(rng, _rows(rng, block_size, case), block_size, heads, kv_heads)
-    k_cache = _random(rng, NUM_BLOCKS, kv_heads, block_size, head_dim)
-    v_cache = _random(rng, NUM_BLOCKS, kv_heads, block_size, head_dim)
+    k_cache = _random(rng, NUM_BLOCKS, kv_heads, block_size, head_dim).astype(cache_dtype)
+    v_cache = _random(rng, NUM_BLOCKS, kv_heads, block_size, head_dim).astype(cache_dtype)
     q = _random(rng, attn.num_tokens, heads, head_dim) * (1 / np.sqrt(head_dim))
     want = pa.attention_reference(q, k_cache, v_cache, attn).numpy()
     got = cpp["attention"](q, k_cache, v_cache, attn).numpy()
@@ -97,6 +100,25 @@ def test_cpp_rope_and_kv_write_match_the_reference(cpp, block_size: int, heads: 
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     written = np.abs(caches["cpp"][1]).sum(axis=(1, 2, 3)) > 0
     assert written.sum() == len({int(s) // block_size for s in attn.slot_mapping})   # only the step's blocks
+
+
+def test_cpp_kv_write_into_a_bfloat16_cache_rounds_to_nearest_even(cpp) -> None:
+    """The values stored are Paddle's own float32 -> bfloat16 cast (round to nearest even) of what the
+    float32 cache gets; q is unaffected."""
+    rng = np.random.default_rng(5)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    attn = _step(rng, _rows(rng, block_size, "ragged"), block_size, heads, kv_heads)
+    qkv = _random(rng, attn.num_tokens, heads + 2 * kv_heads, head_dim)
+    cos, sin = _random(rng, 512, head_dim), _random(rng, 512, head_dim)
+    shape = [NUM_BLOCKS, kv_heads, block_size, head_dim]
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        k_cache, v_cache = paddle.zeros(shape, dtype=dtype), paddle.zeros(shape, dtype=dtype)
+        q = cpp["rope_write_kv"](cos, sin, attn, heads)(qkv, k_cache, v_cache)
+        results[dtype] = (q, k_cache, v_cache)
+    np.testing.assert_array_equal(results["bfloat16"][0].numpy(), results["float32"][0].numpy())
+    for wide, narrow in zip(results["float32"][1:], results["bfloat16"][1:], strict=True):
+        np.testing.assert_array_equal(narrow.astype("float32").numpy(), wide.astype("bfloat16").astype("float32").numpy())
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])   # 300 rows: spread over threads

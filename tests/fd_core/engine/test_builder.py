@@ -152,3 +152,34 @@ def test_progress_names_each_heavy_stage_before_it_runs(tiny_model_dir, caplog):
     assert stages[0].startswith("choosing kernels (the C++ kernels are built on first use")
     assert stages[1] == f"loading the model {tiny_model_dir!r}"
     assert stages[-1].startswith("warm-up forward pass (kernels: rms_norm=")
+
+
+def test_a_bfloat16_kv_cache_halves_the_pool_and_drains_back_to_free(make_llm):
+    from fd_core.request import SamplingParams
+
+    if select_host_kernels().reads_gather_inputs:
+        pytest.skip("a bfloat16 KV cache needs the C++ kernels (no compiler here)")
+    llm = make_llm(cache={"num_blocks": 64, "dtype": "bfloat16"})
+    caches = llm.engine.runner.kv_caches
+    assert str(caches[0].key.dtype) == "paddle.bfloat16"
+    assert sum(c.key.numel() * 2 * 2 for c in caches) == 64 * kv_cache_bytes_per_block(llm.engine.runner.arch, 16, "bfloat16")
+    outputs = llm.generate([[5, 6, 7, 8] * 10, [9, 10, 11]] * 3,
+                           SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [12] * 6
+    assert outputs[0].token_ids == outputs[2].token_ids   # same prompt, same tokens
+    stats = llm.engine.resource_manager.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_bfloat16_kv_cache_with_the_reference_kernels_names_the_key(tiny_model_dir):
+    config = load_config(model={"source": tiny_model_dir}, cache={"num_blocks": 64, "dtype": "bfloat16"},
+                         platform={"name": "cpu", "options": {"kernels": "portable"}})
+    with pytest.raises(ConfigError, match=r"^cache\.dtype: 'bfloat16' with model\.dtype 'float32' needs the C\+\+") as err:
+        build_engine(config)
+    assert err.value.key == "cache.dtype"
+
+
+def select_host_kernels():
+    from fd_core.model.kernels import select_kernels
+
+    return select_kernels(CpuPlatform().capabilities)

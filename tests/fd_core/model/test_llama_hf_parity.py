@@ -78,23 +78,28 @@ def _hf_greedy(folder: Path, prompts: list[list[int]]) -> tuple[list[list[int]],
 
 
 def _ours_greedy(arch: LlamaArchConfig, weights: dict[str, np.ndarray], prompts: list[list[int]],
-                 kernels: KernelSet) -> tuple[list[list[int]], list[np.ndarray]]:
-    """Greedy tokens through ModelRunner: all prompts prefilled in one step, then batched decode."""
+                 kernels: KernelSet, *, kv_dtype: str = "float32",
+                 forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy tokens through ModelRunner: all prompts prefilled in one step, then batched decode.
+
+    With ``forced`` (teacher forcing), each step appends the forced token instead of our own, so
+    every step's logits are over the same context as the oracle's.
+    """
     sampler = GreedySampler()
     blocks_each = -(-(max(map(len, prompts)) + MAX_NEW) // BLOCK_SIZE)
     order = np.random.default_rng(0).permutation(NUM_PROMPTS * blocks_each)
     runner = ModelRunner(arch, weights, num_blocks=NUM_PROMPTS * blocks_each,
-                         block_size=BLOCK_SIZE, sampler=sampler, kernels=kernels)
+                         block_size=BLOCK_SIZE, sampler=sampler, kernels=kernels, kv_dtype=kv_dtype)
     reqs = [Request(f"p{i}", p) for i, p in enumerate(prompts)]
     tables = {r.request_id: order[i * blocks_each:(i + 1) * blocks_each].tolist()
               for i, r in enumerate(reqs)}
-    for _ in range(MAX_NEW):
+    for step in range(MAX_NEW):
         rows = [ScheduledRequest(r, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens,
                                  tables[r.request_id], sample=True) for r in reqs]
         result = runner.execute(StepPlan(rows))
-        for r in reqs:
+        for i, r in enumerate(reqs):
             r.num_computed_tokens = r.num_tokens
-            r.output_token_ids.append(result.sampled[r.request_id].token_id)
+            r.output_token_ids.append(result.sampled[r.request_id].token_id if forced is None else forced[i][step])
     return ([r.output_token_ids for r in reqs],
             [np.stack(sampler.logits[r.request_id]) for r in reqs])
 
@@ -108,10 +113,7 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path: Path, variant: st
                      rope_theta=123456.0)
     weights = random_weights(arch, seed=len(variant))
     _save_hf_folder(arch, weights, tmp_path / "model")
-    rng = np.random.default_rng(11)
-    prompts = [rng.integers(0, arch.vocab_size, n).tolist() for n in rng.integers(3, 60, NUM_PROMPTS)]
-    # One prompt long enough for the kernel to split its prefill into several chunks.
-    prompts[0] += rng.integers(0, arch.vocab_size, 2 * pa.PREFILL_CHUNK + 20).tolist()
+    prompts = _prompts(arch)
 
     expected_tokens, expected_logits = _hf_greedy(tmp_path / "model", prompts)
     tokens, logits = _ours_greedy(arch, weights, prompts, kernels)
@@ -120,3 +122,38 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path: Path, variant: st
     assert tokens == expected_tokens
     for ours, theirs in zip(logits, expected_logits):
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def _prompts(arch: LlamaArchConfig) -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, arch.vocab_size, n).tolist() for n in rng.integers(3, 60, NUM_PROMPTS)]
+    # One prompt long enough for the reference kernel to split its prefill into several chunks.
+    prompts[0] += rng.integers(0, arch.vocab_size, 2 * pa.PREFILL_CHUNK + 20).tolist()
+    return prompts
+
+
+@pytest.mark.skipif(HOST_KERNELS.reads_gather_inputs, reason="a bfloat16 KV cache needs the C++ kernels")
+def test_a_bfloat16_kv_cache_agrees_with_transformers_on_top1_teacher_forced(tmp_path: Path) -> None:
+    """bfloat16 K/V storage is not exact: over the oracle's own greedy continuation, our top-1 must be
+    the oracle's at >= 97% of steps, and where it is not, a near-tie in the oracle's logits (the two
+    tokens within 1% of its logit range) - never a confident token lost."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    arch = tiny_arch(tie=False, bias=False, rope_theta=123456.0)
+    weights = random_weights(arch, seed=3)
+    _save_hf_folder(arch, weights, tmp_path / "model")
+    prompts = _prompts(arch)
+    expected_tokens, expected_logits = _hf_greedy(tmp_path / "model", prompts)
+    _, logits = _ours_greedy(arch, weights, prompts, HOST_KERNELS, kv_dtype="bfloat16", forced=expected_tokens)
+
+    steps = agree = 0
+    gaps = []
+    for ours, theirs in zip(logits, expected_logits, strict=True):
+        for mine, oracle in zip(ours, theirs, strict=True):
+            steps += 1
+            best, picked = int(oracle.argmax()), int(mine.argmax())
+            agree += best == picked
+            gaps.append(oracle[best] - oracle[picked])
+            assert oracle[best] - oracle[picked] <= 0.01 * (oracle.max() - oracle.min()), (best, picked)
+    print(f"top-1 agreed at {agree} of {steps} steps; largest gap {max(gaps):.4g}")
+    assert agree >= 0.97 * steps, f"top-1 agreed at {agree} of {steps} steps"

@@ -1,0 +1,36 @@
+"""Whole-block byte views of the paged cache, for float32 and bfloat16 caches (NumPy has no
+bfloat16: its blocks travel as their 16-bit patterns, and the layout still says bfloat16)."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from fd_core.runner.kv_cache import LayerKVCache
+from fd_core.splitwise.kv_blocks import KVBlockViews
+
+
+def _caches(dtype: str, seed: int) -> list[LayerKVCache]:
+    rng = np.random.default_rng(seed)
+    return [LayerKVCache(*(paddle.to_tensor(rng.standard_normal((6, 2, 4, 8)).astype(np.float32)).astype(dtype)
+                           for _ in range(2))) for _ in range(3)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_block_read_on_one_side_and_written_on_the_other_lands_exactly(dtype: str) -> None:
+    source, target = _caches(dtype, 0), _caches(dtype, 1)
+    sender, receiver = KVBlockViews(source), KVBlockViews(target)
+    assert sender.layout == receiver.layout and sender.layout.endswith(f"dtype={dtype}")
+    assert sender.bytes_per_block == 3 * 2 * 2 * 4 * 8 * (4 if dtype == "float32" else 2)
+    receiver.write(5, [bytes(b) for b in sender.read(2)])
+    for ours, theirs in zip(target, source, strict=True):
+        for mine, sent in ((ours.key, theirs.key), (ours.value, theirs.value)):
+            np.testing.assert_array_equal(mine[5].astype("float32").numpy(), sent[2].astype("float32").numpy())
+    assert not np.array_equal(target[0].key[4].astype("float32").numpy(), source[0].key[4].astype("float32").numpy())
+    with pytest.raises(ValueError, match="bytes here"):
+        receiver.write(0, [b"x" * 12] * 6)
+
+
+def test_layouts_of_other_dtypes_differ() -> None:
+    assert KVBlockViews(_caches("float32", 0)).layout != KVBlockViews(_caches("bfloat16", 0)).layout
