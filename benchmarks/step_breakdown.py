@@ -8,7 +8,12 @@ Paddle's CPU ops run synchronously, so wall time around a call is that op's time
     python benchmarks/step_breakdown.py --kernels portable,auto --json-out /tmp/breakdown.json
 
 Each ``--kernels`` value is the cpu platform's ``kernels`` option and runs in its own process
-(``portable``: the Paddle reference kernels; ``auto``: what this CPU's capabilities select).
+(``portable``: the Paddle reference kernels; ``auto``: what this CPU's capabilities select);
+each ``--variant LABEL=JSON`` runs ``auto`` with more config sections, e.g. weights kept in their
+GGUF blocks:
+
+    python benchmarks/step_breakdown.py --rows 1 --kernels auto \
+        --variant 'keep={"model": {"quantized_weights": "keep"}}'
 """
 
 from __future__ import annotations
@@ -81,13 +86,14 @@ def instrument(llm: Any, timers: Timers) -> None:
     model.forward = timers.wrap("model forward", model.forward)
 
 
-def measure(kernels: str, rows: int, prompt_len: int, steps: int) -> dict:
+def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict[str, Any]) -> dict:
     from fd_core import LLM
     from fd_core.request import Request, SamplingParams
 
-    llm = LLM(platform={"name": "cpu", "options": {"kernels": kernels}},
+    llm = LLM(sections.pop("model", None), platform={"name": "cpu", "options": {"kernels": kernels}},
               engine={"max_num_seqs": rows, "max_num_batched_tokens": 2048},
-              cache={"num_blocks": rows * (prompt_len + steps + 64) // 16 + 64, "enable_prefix_caching": False})
+              cache={"num_blocks": rows * (prompt_len + steps + 64) // 16 + 64, "enable_prefix_caching": False},
+              **sections)
     timers = Timers()
     instrument(llm, timers)
     core = llm.engine
@@ -110,7 +116,7 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int) -> dict:
     inner = sum(v for k, v in per_step.items() if k not in ("engine step", "model forward"))
     per_step["model: other ops"] = round(per_step["model forward"] - inner, 3)
     per_step["engine + other"] = round(per_step["engine step"] - per_step["model forward"], 3)
-    return {"kernels": kernels, "chosen": core.runner.kernels.describe(), "rows": rows, "prompt_len": prompt_len,
+    return {"kernels": kernels, "sections": sections, "chosen": core.runner.kernels.describe(), "rows": rows, "prompt_len": prompt_len,
             "steps": steps, "ms_per_step": per_step, "decode_tok_s": round(rows * steps / wall, 1)}
 
 
@@ -120,33 +126,38 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
+                        help="also run the auto kernels with these config sections, shown as LABEL")
     parser.add_argument("--json-out")
     parser.add_argument("--one", help=argparse.SUPPRESS)   # internal: measure one choice in this process
+    parser.add_argument("--one-sections", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.rows, args.prompt_len, args.steps)))
+        print(json.dumps(measure(args.one, args.rows, args.prompt_len, args.steps, json.loads(args.one_sections))))
         return 0
+    runs = [(kernels, kernels, "{}") for kernels in args.kernels.split(",") if kernels]
+    runs += [(label, "auto", sections) for label, _, sections in (v.partition("=") for v in args.variant)]
     reports = []
-    for kernels in args.kernels.split(","):
-        proc = subprocess.run([sys.executable, __file__, "--one", kernels, "--rows", str(args.rows),
-                               "--prompt-len", str(args.prompt_len), "--steps", str(args.steps)],
-                              capture_output=True, text=True)
+    for label, kernels, sections in runs:
+        proc = subprocess.run([sys.executable, __file__, "--one", kernels, "--one-sections", sections,
+                               "--rows", str(args.rows), "--prompt-len", str(args.prompt_len),
+                               "--steps", str(args.steps)], capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-2000:], file=sys.stderr)
             return 1
-        reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        reports.append({"label": label, **json.loads(proc.stdout.strip().splitlines()[-1])})
     from fd_plugins.platforms.cpu_features import probe_cpu_features
 
     cpu = probe_cpu_features().describe()
     components = sorted({k for r in reports for k in r["ms_per_step"]})
     print(f"CPU: {cpu}; decode step of {args.rows} rows at context ~{args.prompt_len}, ms per step")
-    print("| component | " + " | ".join(r["kernels"] for r in reports) + " |")
+    print("| component | " + " | ".join(r["label"] for r in reports) + " |")
     print("|---|" + "---|" * len(reports))
     for name in components:
         print(f"| {name} | " + " | ".join(f"{r['ms_per_step'].get(name, 0):.2f}" for r in reports) + " |")
     print("| decode tok/s | " + " | ".join(str(r["decode_tok_s"]) for r in reports) + " |")
     for r in reports:
-        print(f"{r['kernels']}: {r['chosen']}")
+        print(f"{r['label']}: {r['chosen']}")
     if args.json_out:
         with open(args.json_out, "w") as out:
             json.dump({"cpu": cpu, "reports": reports}, out, indent=1)

@@ -51,6 +51,13 @@ class ModelSection(_Section):
     served_name: str | None = Field(None, description="Name clients use; defaults to `source`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Compute dtype; the platform must support it (cpu: float32).")
+    quantized_weights: Literal["dequantize", "keep"] = Field(
+        "dequantize", description=(
+            "A GGUF's Q8_0 / Q4_0 / Q4_1 matrices: `dequantize` expands them to float32 at load; `keep` "
+            "leaves the projections and the head in their blocks, widened in registers inside the matmul "
+            "(4-7x less weight memory and traffic: a decode step of few rows is bound by it). The weights "
+            "are the same values either way; only the order of the matmul's sums differs. `keep` needs a "
+            "GGUF model, `model.dtype` float32 and the C++ linear kernel."))
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt + output; defaults to min(model limit, 2048).")
     seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")

@@ -2,8 +2,10 @@
 
 ``PortableLinear`` keeps the weight as given and calls Paddle's matmul; the C++ variant
 (``fd_kernels.native.prepare_linear``) packs float32 weights once into MKL's GEMM layout, so no
-step repacks them. Both take Paddle-layout weights ``[in, out]``, or ``[out, in]`` with
-``transposed=True`` (a head tied to the embedding), and return ``x @ weight (+ bias)``.
+step repacks them, and keeps block-quantized weights (``fd_kernels.quantized``) in their blocks. Both
+take Paddle-layout weights ``[in, out]``, or ``[out, in]`` with ``transposed=True`` (a head tied to
+the embedding), or a :class:`~fd_kernels.quantized.BlockQuantized` ``[out, in]``, and return
+``x @ weight (+ bias)``.
 """
 
 from __future__ import annotations
@@ -13,14 +15,19 @@ from typing import Any
 import paddle
 import paddle.nn.functional as F
 
+from fd_kernels.quantized import BlockQuantized
+
 
 class PortableLinear:
-    """``F.linear`` / ``matmul(transpose_y)`` on the weight as given: every device and dtype."""
+    """``F.linear`` / ``matmul(transpose_y)`` on the weight as given: every device and dtype (a
+    block-quantized weight is dequantized to float32 here)."""
 
     name = "portable"
 
     def prepare(self, weight: paddle.Tensor, *, transposed: bool = False) -> Any:
         """What :meth:`__call__` takes for ``weight`` (here: the weight itself)."""
+        if isinstance(weight, BlockQuantized):
+            return (paddle.to_tensor(weight.dequantize()), True)
         return (weight, transposed)
 
     def __call__(self, x: paddle.Tensor, prepared: Any, bias: paddle.Tensor | None = None) -> paddle.Tensor:

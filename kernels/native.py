@@ -21,18 +21,20 @@ import os
 import shutil
 import sys
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
 
 from fd_kernels.linear import PORTABLE_LINEAR
+from fd_kernels.quantized import BlockQuantized
 
 log = logging.getLogger(__name__)
 
 _CSRC: Final = Path(__file__).parent / "csrc"
 SOURCES: Final = tuple(_CSRC / name for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc", "swiglu.cc",
-                                                  "packed_linear.cc"))
+                                                  "packed_linear.cc", "quant_linear.cc",
+                                                  "decoder_layer.cc"))
 HEADERS: Final = tuple(sorted(_CSRC.glob("*.h")))
 # OpenMP: the kernels run on Intel's runtime (libiomp5, which Paddle's MKL uses): one thread pool
 # for the matmuls and these kernels, so neither spins against the other's threads. No FP traps or
@@ -79,7 +81,7 @@ def paddle_libs() -> Path:
 
 def load_native(capabilities: Collection[str]) -> ModuleType:
     """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``, ``fd_swiglu``,
-    ``fd_pack_weight``, ``fd_packed_linear``) built for
+    ``fd_pack_weight``, ``fd_packed_linear``, ``fd_quant_linear``, ``fd_decoder_layer``) built for
     ``capabilities``; builds on first use."""
     flags = isa_flags(capabilities)
     folder = cache_dir(flags)
@@ -141,26 +143,35 @@ def prepare_swiglu(capabilities: Collection[str]) -> Callable[..., Any]:
 
 
 class PackedLinear:
-    """Float32 weights packed once into MKL's GEMM layout (``csrc/packed_linear.cc``); other dtypes
-    go through the portable linear. Same contract as ``fd_kernels.linear.PortableLinear``."""
+    """Float32 weights packed once into MKL's GEMM layout (``csrc/packed_linear.cc``), block-quantized
+    ones kept as they are and widened inside the matmul (``csrc/quant_linear.cc``); other dtypes go
+    through the portable linear. Same contract as ``fd_kernels.linear.PortableLinear``."""
 
     name = "mkl_packed"
 
     def __init__(self, ops: ModuleType, mkl: Path) -> None:
         self._ops = ops
         self._mkl = str(mkl)
+        self._threads = _threads()
 
     def prepare(self, weight: Any, *, transposed: bool = False) -> Any:
-        """The packed weight (a uint8 tensor that must stay where it is) and its output width."""
+        """The packed weight (a uint8 tensor that must stay where it is) and its output width, or the
+        quantized weight's codes, scales and mins as tensors."""
+        if isinstance(weight, BlockQuantized):
+            return _Quantized(weight)
         if str(weight.dtype) not in ("paddle.float32", "float32"):
             return PORTABLE_LINEAR.prepare(weight, transposed=transposed)
         width = weight.shape[0] if transposed else weight.shape[1]
         return _Packed(self._ops.fd_pack_weight(weight, transposed, self._mkl), width)
 
     def __call__(self, x: Any, prepared: Any, bias: Any = None) -> Any:
-        if not isinstance(prepared, _Packed):
+        if isinstance(prepared, _Packed):
+            out = self._ops.fd_packed_linear(x, prepared.data, prepared.width)
+        elif isinstance(prepared, _Quantized):
+            out = self._ops.fd_quant_linear(x, prepared.codes, prepared.scales, prepared.mins, prepared.bits,
+                                            self._threads)
+        else:
             return PORTABLE_LINEAR(x, prepared, bias)
-        out = self._ops.fd_packed_linear(x, prepared.data, prepared.width)
         return out if bias is None else out + bias
 
 
@@ -169,6 +180,54 @@ class _Packed:
 
     def __init__(self, data: Any, width: int) -> None:
         self.data, self.width = data, width
+
+
+class _Quantized:
+    __slots__ = ("bits", "codes", "scales", "mins", "width")
+
+    def __init__(self, weight: BlockQuantized) -> None:
+        import paddle
+
+        self.bits, self.width = weight.bits, weight.shape[0]
+        self.codes, self.scales, self.mins = (paddle.to_tensor(a) for a in (weight.codes, weight.scales, weight.mins))
+
+
+class FusedDecoderLayer:
+    """The C++ ``decoder_layer`` (``csrc/decoder_layer.cc``): RMSNorm, q/k/v, RoPE + KV write,
+    attention, o, RMSNorm, gate/up, SwiGLU and down of one layer in one op, through the same
+    kernels as the op-by-op path (same results, no per-op dispatch). Binds layers without a q/k/v
+    bias whose four weights are block-quantized: with MKL's packed GEMM inside the op, float32
+    layers gave results that varied in the last bits from run to run (seen on an AMD EPYC; op by op
+    they are reproducible), so they stay op by op."""
+
+    name = "cpp"
+
+    def __init__(self, ops: ModuleType) -> None:
+        self._op = ops.fd_decoder_layer
+        self._threads = _threads()
+
+    def bind(self, linears: Sequence[Any], qkv_bias: Any) -> tuple[list[Any], list[int], list[int]] | None:
+        """(weight tensors, bits, widths) for the op, or ``None`` (see ``fd_kernels.decoder_layer``)."""
+        if qkv_bias is not None or not all(isinstance(prepared, _Quantized) for prepared in linears):
+            return None
+        tensors = [t for prepared in linears for t in (prepared.codes, prepared.scales, prepared.mins)]
+        return tensors, [prepared.bits for prepared in linears], [prepared.width for prepared in linears]
+
+    def __call__(self, bound: tuple[list[Any], list[int], list[int]], x: Any, residual: Any, input_norm: Any,
+                 post_norm: Any, k_cache: Any, v_cache: Any, attn: Any, cos: Any, sin: Any, num_heads: int,
+                 head_dim: int, eps: float) -> tuple[Any, Any]:
+        """``(out, residual stream)`` of the layer, its K/V written into the caches."""
+        tensors, kinds, widths = bound
+        out, summed = self._op(x, x if residual is None else residual, input_norm, post_norm,
+                                     attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor,
+                                     attn.row_tables, attn.row_starts, attn.row_lens, tensors, kinds, widths,
+                                     num_heads, head_dim, eps, residual is not None, self._threads)[:2]
+        return out, summed
+
+
+def prepare_decoder_layer(capabilities: Collection[str]) -> FusedDecoderLayer:
+    """The C++ ``decoder_layer`` variant (see :class:`FusedDecoderLayer`)."""
+    return FusedDecoderLayer(load_native(capabilities))
 
 
 def prepare_linear(capabilities: Collection[str]) -> PackedLinear:

@@ -78,11 +78,12 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     report("choosing kernels (the C++ kernels are built on first use, then cached)")
     kernels = choose_kernels(platform, selection.platform_reason, worker_env, process_note)
     _check_kv_cache_dtype(config, kernels)
+    _check_quantized_weights(config, kernels)
 
     stage = f"loading the model {config.model.source!r}"
     report(stage)
     log.info("%s", stage)
-    loaded = load_model(config.model.source)
+    loaded = load_model(config.model.source, keep_quantized=config.model.quantized_weights == "keep")
     arch = loaded.arch
     max_model_len = _max_model_len(config, arch)
     kv = plan_kv_pool(config, arch, platform, max_model_len=max_model_len,
@@ -149,6 +150,21 @@ def _check_kv_cache_dtype(config: FdConfig, kernels: KernelSet) -> None:
     if stored != config.model.dtype and kernels.reads_gather_inputs:
         raise ConfigError("cache.dtype", f"{stored!r} with model.dtype {config.model.dtype!r} needs the C++ "
                                          f"attention and RoPE + KV write kernels; here: {kernels.describe()}")
+
+
+def _check_quantized_weights(config: FdConfig, kernels: KernelSet) -> None:
+    """Weights kept in GGUF blocks need a GGUF, a float32 model and the C++ linear kernel."""
+    from fd_core.model.loader import model_source_kind
+
+    if config.model.quantized_weights != "keep":
+        return
+    if model_source_kind(config.model.source) == "folder":
+        raise ConfigError("model.quantized_weights", f"'keep' reads a GGUF's quantized blocks; "
+                                                     f"{config.model.source!r} is a Hugging Face folder")
+    if config.model.dtype != "float32":
+        raise ConfigError("model.quantized_weights", f"'keep' needs model.dtype 'float32', not {config.model.dtype!r}")
+    if kernels.chosen["linear"].name == "portable":
+        raise ConfigError("model.quantized_weights", f"'keep' needs the C++ linear kernel; here: {kernels.describe()}")
 
 
 def _max_model_len(config: FdConfig, arch: LlamaArchConfig) -> int:

@@ -1,7 +1,8 @@
 """Read a llama GGUF file into a :class:`LlamaArchConfig`, float32 weights and its metadata.
 
 Tensors are dequantized at load (F32, F16, Q8_0, Q4_0, Q4_1) and renamed to Hugging Face
-names. llama.cpp's converter stores ``attn_q``/``attn_k`` rows permuted for interleaved
+names; with ``keep_quantized`` the matrices the model multiplies by (projections, the embedding
+/ head) stay in their Q8_0 / Q4_0 / Q4_1 blocks as :class:`~fd_kernels.quantized.BlockQuantized`. llama.cpp's converter stores ``attn_q``/``attn_k`` rows permuted for interleaved
 (GPT-J style) RoPE; they are permuted back here so the weights match Hugging Face's
 ``rotate_half`` layout, which is what the model implements.
 """
@@ -17,12 +18,15 @@ import numpy as np
 from fd_core.errors import ModelLoadError
 from fd_core.model.arch import LlamaArchConfig
 from fd_core.model.tokenizer import gguf_eos_token_ids
+from fd_kernels.quantized import BlockQuantized, from_gguf_blocks
 
 if TYPE_CHECKING:
     import gguf
 
 #: GGML tensor types this loader dequantizes; anything else is refused before any work.
 SUPPORTED_TENSOR_TYPES: Final = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+#: The types ``keep_quantized`` keeps in their blocks.
+KEPT_TENSOR_TYPES: Final = ("Q8_0", "Q4_0", "Q4_1")
 
 _GLOBAL_NAMES: Final = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,11 +47,13 @@ _BLOCK_NAMES: Final = {
 _BLOCK_TENSOR: Final = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_gguf(path: str | Path) -> tuple[LlamaArchConfig, dict[str, np.ndarray], dict[str, Any]]:
+def load_gguf(path: str | Path, *, keep_quantized: bool = False,
+              ) -> tuple[LlamaArchConfig, dict[str, np.ndarray | BlockQuantized], dict[str, Any]]:
     """Architecture, float32 weights (Hugging Face names) and all metadata values of a GGUF file.
 
     The metadata dict maps GGUF keys (``tokenizer.ggml.tokens``...) to Python values; the
-    tokenizer is built from it.
+    tokenizer is built from it. With ``keep_quantized``, 2-D tensors of a type in
+    :data:`KEPT_TENSOR_TYPES` are returned as :class:`BlockQuantized` (the rest as float32).
     """
     import gguf
 
@@ -70,7 +76,8 @@ def load_gguf(path: str | Path) -> tuple[LlamaArchConfig, dict[str, np.ndarray],
     weights = {}
     for tensor in reader.tensors:
         name = _hf_name(path, tensor.name)
-        weights[name] = _unpermute(name, _dequantize(tensor), arch)
+        keep = keep_quantized and len(tensor.shape) == 2 and tensor.tensor_type.name in KEPT_TENSOR_TYPES
+        weights[name] = _unpermute(name, _kept(tensor) if keep else _dequantize(tensor), arch)
     return arch, weights, metadata
 
 
@@ -131,7 +138,13 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     )
 
 
-def _unpermute(name: str, weight: np.ndarray, arch: LlamaArchConfig) -> np.ndarray:
+def _kept(tensor: gguf.ReaderTensor) -> BlockQuantized:
+    cols, rows = (int(n) for n in tensor.shape)
+    return from_gguf_blocks(tensor.tensor_type.name, np.asarray(tensor.data), (rows, cols))
+
+
+def _unpermute(name: str, weight: np.ndarray | BlockQuantized,
+               arch: LlamaArchConfig) -> np.ndarray | BlockQuantized:
     """Undo llama.cpp's ``permute`` of Q/K rows (per head: interleaved pairs -> two halves)."""
     if ".q_proj." in name:
         heads = arch.num_attention_heads
@@ -140,5 +153,8 @@ def _unpermute(name: str, weight: np.ndarray, arch: LlamaArchConfig) -> np.ndarr
     else:
         return weight
     # the converter viewed rows as (heads, 2, head_dim/2) and swapped the last two axes
-    rows = weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:])
-    return np.ascontiguousarray(rows.swapaxes(1, 2).reshape(weight.shape))
+    rows = weight.shape[0]
+    order = np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
+    if isinstance(weight, BlockQuantized):
+        return weight.take_rows(order)
+    return np.ascontiguousarray(weight[order])

@@ -19,7 +19,7 @@ from typing import Any, Final
 from fd_core.contracts.platform import CPP_KERNELS, FUSED_RMS_NORM
 import paddle.nn.functional as F
 
-from fd_kernels import linear, native, paged_attention, rms_norm
+from fd_kernels import decoder_layer, linear, native, paged_attention, rms_norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,10 @@ KERNEL_VARIANTS: Final[dict[str, tuple[KernelVariant, ...]]] = {
     "attention": (
         KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_attention),
         KernelVariant("reference", frozenset(), paged_attention.attention_reference),
+    ),
+    "decoder_layer": (
+        KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_decoder_layer),
+        KernelVariant("composed", frozenset(), decoder_layer.COMPOSED),
     ),
 }
 
@@ -93,6 +97,13 @@ class KernelSet:
     def attention(self) -> Callable[..., Any]:
         """``(q, k_cache, v_cache, attn) -> out``: every row of a step, q already scaled; see ``fd_kernels``."""
         return self.chosen["attention"].fn
+
+    @property
+    def decoder_layer(self) -> Any:
+        """``.bind(linears, qkv_bias)`` once per layer, then ``(bound, x, residual, input_norm, post_norm,
+        k_cache, v_cache, attn, cos, sin, num_heads, head_dim, eps) -> (out, residual)``: a whole layer in
+        one call where ``bind`` did not return ``None``; see ``fd_kernels.decoder_layer``."""
+        return self.chosen["decoder_layer"].fn
 
     @property
     def reads_gather_inputs(self) -> bool:

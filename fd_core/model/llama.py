@@ -1,12 +1,15 @@
 """The Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral) as Paddle compute over a paged KV cache.
 
 Built from a :class:`~fd_core.model.arch.LlamaArchConfig` and Hugging Face named numpy
-weights. To keep per-layer Python overhead low, q/k/v are one matmul (their weights
+weights. Where the kernel set has a fused decoder layer, each layer is one kernel call;
+otherwise, to keep per-layer Python overhead low, q/k/v are one matmul (their weights
 concatenated), gate/up are one matmul feeding the ``swiglu`` kernel, residual adds are folded into the
 RMSNorm kernel, and RoPE (Hugging Face's non-interleaved ``rotate_half`` convention) and the
 K/V cache write are one kernel. The swappable ops (RMSNorm, RoPE + KV write, paged attention, SwiGLU)
 come in a :class:`~fd_core.model.kernels.KernelSet` chosen from the platform's capabilities;
-without one the model uses the portable kernels.
+without one the model uses the portable kernels. Matrices may come block-quantized
+(:class:`~fd_kernels.quantized.BlockQuantized`, from a GGUF): the linear kernel then keeps them
+in their blocks (a float32 model) and the embedding lookup reads a float32 copy.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import paddle
 import paddle.nn.functional as F
 
 from fd_core.model.kernels import PORTABLE_KERNELS
+from fd_core.model.loader import expected_weight_shapes
+from fd_kernels.quantized import BlockQuantized, stack_rows
 
 if TYPE_CHECKING:
     from fd_core.model.arch import LlamaArchConfig
@@ -44,6 +49,7 @@ class _LayerWeights:
     post_norm: paddle.Tensor        # [hidden]
     gate_up: Any                    # [hidden, 2 * intermediate]: gate, then up columns
     down: Any                       # [intermediate, hidden]
+    fused: Any                      # the fused layer kernel's operands, or None: run op by op
 
 
 def _rope_tables(arch: LlamaArchConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -65,11 +71,11 @@ def _rope_tables(arch: LlamaArchConfig) -> tuple[np.ndarray, np.ndarray]:
 class LlamaForCausalLM:
     """A Llama-shaped causal LM whose attention reads and writes a paged KV cache."""
 
-    def __init__(self, arch: LlamaArchConfig, weights: Mapping[str, np.ndarray], *,
+    def __init__(self, arch: LlamaArchConfig, weights: Mapping[str, np.ndarray | BlockQuantized], *,
                  dtype: str = "float32", kernels: KernelSet = PORTABLE_KERNELS) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
-        expected = _weight_shapes(arch)
+        expected = expected_weight_shapes(arch)
         missing = [name for name in expected if name not in weights]
         if missing:
             raise ValueError(f"{len(missing)} weights missing for {arch.architecture}, "
@@ -85,33 +91,49 @@ class LlamaForCausalLM:
         # Attention's 1/sqrt(head_dim) is folded into q_proj (RoPE is linear, so it commutes).
         q_scale = 1.0 / math.sqrt(arch.head_dim)
 
-        def tensor(array: np.ndarray) -> paddle.Tensor:
+        def tensor(array: np.ndarray | BlockQuantized) -> paddle.Tensor:
+            if isinstance(array, BlockQuantized):
+                array = array.dequantize()
             return paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32), dtype=dtype)
 
-        def linear(*blocks: np.ndarray) -> Any:  # HF [out, in] blocks -> [in, sum(out)], prepared
-            return kernels.linear.prepare(tensor(np.concatenate(blocks, axis=0).T))
+        def keeps_blocks(*blocks: np.ndarray | BlockQuantized) -> bool:  # the kernel reads float32 rows
+            return dtype == "float32" and all(isinstance(b, BlockQuantized) for b in blocks)
 
-        self.embed_tokens = tensor(weights["model.embed_tokens.weight"])     # [vocab, hidden]
+        def linear(*blocks: np.ndarray | BlockQuantized) -> Any:  # HF [out, in] blocks, prepared
+            if keeps_blocks(*blocks):
+                return kernels.linear.prepare(stack_rows(list(blocks)))
+            dense = [b.dequantize() if isinstance(b, BlockQuantized) else b for b in blocks]
+            return kernels.linear.prepare(tensor(np.concatenate(dense, axis=0).T))   # [in, sum(out)]
+
+        def scaled(weight: np.ndarray | BlockQuantized, factor: float) -> np.ndarray | BlockQuantized:
+            return weight.scaled(factor) if isinstance(weight, BlockQuantized) else weight * factor
+
+        embedding = weights["model.embed_tokens.weight"]
+        self.embed_tokens = tensor(embedding)     # [vocab, hidden]
         self.layers: list[_LayerWeights] = []
         for i in range(arch.num_hidden_layers):
             p = f"model.layers.{i}."
             q, k, v = (f"{p}self_attn.{x}_proj" for x in "qkv")
+            qkv = linear(scaled(weights[f"{q}.weight"], q_scale), weights[f"{k}.weight"], weights[f"{v}.weight"])
+            qkv_bias = (tensor(np.concatenate([weights[f"{q}.bias"] * q_scale, weights[f"{k}.bias"],
+                                               weights[f"{v}.bias"]]))
+                        if arch.attention_bias else None)
+            o = linear(weights[f"{p}self_attn.o_proj.weight"])
+            gate_up = linear(weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"])
+            down = linear(weights[f"{p}mlp.down_proj.weight"])
             self.layers.append(_LayerWeights(
-                input_norm=tensor(weights[f"{p}input_layernorm.weight"]),
-                qkv=linear(weights[f"{q}.weight"] * q_scale, weights[f"{k}.weight"],
-                           weights[f"{v}.weight"]),
-                qkv_bias=(tensor(np.concatenate([weights[f"{q}.bias"] * q_scale,
-                                                 weights[f"{k}.bias"], weights[f"{v}.bias"]]))
-                          if arch.attention_bias else None),
-                o=linear(weights[f"{p}self_attn.o_proj.weight"]),
-                post_norm=tensor(weights[f"{p}post_attention_layernorm.weight"]),
-                gate_up=linear(weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"]),
-                down=linear(weights[f"{p}mlp.down_proj.weight"]),
+                input_norm=tensor(weights[f"{p}input_layernorm.weight"]), qkv=qkv, qkv_bias=qkv_bias, o=o,
+                post_norm=tensor(weights[f"{p}post_attention_layernorm.weight"]), gate_up=gate_up, down=down,
+                fused=kernels.decoder_layer.bind([qkv, o, gate_up, down], qkv_bias),
             ))
         self.norm = tensor(weights["model.norm.weight"])
         # [vocab, hidden], applied transposed (a tied head reads the embedding).
-        self.lm_head = kernels.linear.prepare(self.embed_tokens if arch.tie_word_embeddings
-                                              else tensor(weights["lm_head.weight"]), transposed=True)
+        head = embedding if arch.tie_word_embeddings else weights["lm_head.weight"]
+        if keeps_blocks(head):
+            self.lm_head = kernels.linear.prepare(head)
+        else:
+            self.lm_head = kernels.linear.prepare(self.embed_tokens if arch.tie_word_embeddings else tensor(head),
+                                                  transposed=True)
         cos, sin = _rope_tables(arch)
         self.rope_cos = tensor(cos)
         self.rope_sin = tensor(sin)
@@ -133,9 +155,15 @@ class LlamaForCausalLM:
         rope_write_kv = self.kernels.rope_write_kv(self.rope_cos, self.rope_sin, attn, heads)
         attention = self.kernels.attention
         linear = self.kernels.linear
+        fused_layer = self.kernels.decoder_layer
         x = F.embedding(input_ids, self.embed_tokens)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
+            if layer.fused is not None:
+                x, residual = fused_layer(layer.fused, x, residual, layer.input_norm, layer.post_norm, cache.key,
+                                          cache.value, attn, self.rope_cos, self.rope_sin, heads, head_dim,
+                                          arch.rms_norm_eps)
+                continue
             h, residual = self._norm(x, layer.input_norm, residual)
             qkv = linear(h, layer.qkv, layer.qkv_bias).reshape([num_tokens, -1, head_dim])
             q = rope_write_kv(qkv, cache.key, cache.value)
@@ -148,31 +176,7 @@ class LlamaForCausalLM:
         # Only sampled rows need the final norm and the (large) vocabulary projection.
         h, _ = self._norm(paddle.gather(x, attn.sample_indices), self.norm,
                           paddle.gather(residual, attn.sample_indices))
-        return linear(h, self.lm_head).astype("float32")
+        logits = linear(h, self.lm_head)
+        return logits if self.dtype == "float32" else logits.astype("float32")
 
     __call__ = forward
-
-
-def _weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face name -> shape of every weight the model reads (see :class:`LlamaArchConfig`)."""
-    hidden, inter = arch.hidden_size, arch.intermediate_size
-    q_out = arch.num_attention_heads * arch.head_dim
-    kv_out = arch.num_key_value_heads * arch.head_dim
-    shapes = {"model.embed_tokens.weight": (arch.vocab_size, hidden), "model.norm.weight": (hidden,)}
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, hidden)
-    for i in range(arch.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            f"{p}input_layernorm.weight": (hidden,), f"{p}post_attention_layernorm.weight": (hidden,),
-            f"{p}self_attn.q_proj.weight": (q_out, hidden),
-            f"{p}self_attn.k_proj.weight": (kv_out, hidden),
-            f"{p}self_attn.v_proj.weight": (kv_out, hidden),
-            f"{p}self_attn.o_proj.weight": (hidden, q_out),
-            f"{p}mlp.gate_proj.weight": (inter, hidden), f"{p}mlp.up_proj.weight": (inter, hidden),
-            f"{p}mlp.down_proj.weight": (hidden, inter),
-        }
-        if arch.attention_bias:
-            shapes |= {f"{p}self_attn.q_proj.bias": (q_out,), f"{p}self_attn.k_proj.bias": (kv_out,),
-                       f"{p}self_attn.v_proj.bias": (kv_out,)}
-    return shapes

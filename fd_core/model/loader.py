@@ -19,14 +19,16 @@ from fd_core.errors import ModelLoadError
 from fd_core.model.arch import LlamaArchConfig
 from fd_core.model.default_model import DEFAULT_MODEL_ALIAS, MODEL_ALIASES, resolve_alias
 from fd_core.model.tokenizer import Tokenizer
+from fd_kernels.quantized import BlockQuantized
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """Everything needed to run a model: its shape, float32 weights and tokenizer."""
+    """Everything needed to run a model: its shape, weights and tokenizer."""
 
     arch: LlamaArchConfig
-    weights: dict[str, np.ndarray]  # Hugging Face names -> float32 arrays (see arch.py)
+    # Hugging Face names -> float32 arrays (see arch.py), or matrices kept in GGUF blocks
+    weights: dict[str, np.ndarray | BlockQuantized]
     tokenizer: Tokenizer
     source_path: Path  # the folder or .gguf file the model was read from
 
@@ -59,13 +61,17 @@ def model_source_kind(source: str) -> Literal["alias", "folder", "gguf"]:
     )
 
 
-def load_model(source: str = DEFAULT_MODEL_ALIAS) -> LoadedModel:
-    """Load ``source``: an alias from ``MODEL_ALIASES``, a Hugging Face folder or a ``.gguf`` file."""
+def load_model(source: str = DEFAULT_MODEL_ALIAS, *, keep_quantized: bool = False) -> LoadedModel:
+    """Load ``source``: an alias from ``MODEL_ALIASES``, a Hugging Face folder or a ``.gguf`` file.
+
+    ``keep_quantized``: a GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay in their blocks (see
+    ``fd_core.model.gguf_loader``); a folder's weights are float32 either way.
+    """
     kind = model_source_kind(source)
     if kind == "alias":
-        return _load_gguf(resolve_alias(source))
+        return _load_gguf(resolve_alias(source), keep_quantized)
     path = Path(source).expanduser()
-    return _load_folder(path) if kind == "folder" else _load_gguf(path)
+    return _load_folder(path) if kind == "folder" else _load_gguf(path, keep_quantized)
 
 
 def _load_folder(folder: Path) -> LoadedModel:
@@ -79,10 +85,10 @@ def _load_folder(folder: Path) -> LoadedModel:
     return LoadedModel(arch=arch, weights=weights, tokenizer=tokenizer, source_path=folder)
 
 
-def _load_gguf(path: Path) -> LoadedModel:
+def _load_gguf(path: Path, keep_quantized: bool) -> LoadedModel:
     from fd_core.model.gguf_loader import load_gguf
 
-    arch, weights, metadata = load_gguf(path)
+    arch, weights, metadata = load_gguf(path, keep_quantized=keep_quantized)
     tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(path))
     _check_weights(arch, weights, path)
     return LoadedModel(arch=arch, weights=weights, tokenizer=tokenizer, source_path=path)
@@ -123,7 +129,7 @@ def expected_weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_weights(arch: LlamaArchConfig, weights: dict[str, np.ndarray], source: Path) -> None:
+def _check_weights(arch: LlamaArchConfig, weights: dict[str, np.ndarray | BlockQuantized], source: Path) -> None:
     """Raise unless ``weights`` has exactly the names and shapes ``arch`` needs."""
     expected = expected_weight_shapes(arch)
     missing = sorted(expected.keys() - weights.keys())

@@ -100,3 +100,23 @@ def test_non_llama_gguf_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ModelLoadError, match="GGUF architecture 'gpt2' is not supported"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_1", "Q4_0", "Q8_0"])
+def test_kept_blocks_dequantize_to_the_loaders_float32_weights(tmp_path: Path, tiny_folder: Path,
+                                                                tensor_type: str) -> None:
+    """Kept blocks are the same values (q/k rows un-permuted too); 1-D tensors stay float32."""
+    from fd_kernels.quantized import BlockQuantized
+
+    path = write_tiny_gguf(tmp_path / "q.gguf", tiny_folder, tensor_type=tensor_type)
+    _, dense, _ = load_gguf(path)
+    _, kept, _ = load_gguf(path, keep_quantized=True)
+    assert kept.keys() == dense.keys()
+    for name, value in dense.items():
+        if value.ndim == 2:
+            assert isinstance(kept[name], BlockQuantized), name
+            assert kept[name].shape == value.shape and kept[name].nbytes < value.nbytes / 3
+            np.testing.assert_array_equal(kept[name].dequantize(), value, err_msg=name)
+        else:
+            assert isinstance(kept[name], np.ndarray)
+            np.testing.assert_array_equal(kept[name], value, err_msg=name)

@@ -1,0 +1,24 @@
+// The kernels' entry points (each also registered as its own Paddle op), for ops that chain them
+// in C++ without a trip through Python and Paddle's dispatch per call.
+
+#pragma once
+
+#include <vector>
+
+#include "paddle/extension.h"
+
+std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tensor& residual,
+                                    const paddle::Tensor& weight, float eps, bool has_residual, int num_threads);
+std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle::Tensor& positions,
+                                        const paddle::Tensor& cos, const paddle::Tensor& sin,
+                                        paddle::Tensor& k_cache, paddle::Tensor& v_cache,
+                                        const paddle::Tensor& slots, int num_heads);
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
+                                           const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
+                                           const paddle::Tensor& starts, const paddle::Tensor& query_lens, float scale,
+                                           int num_threads);
+std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x, int num_threads);
+std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x, const paddle::Tensor& packed, int n);
+std::vector<paddle::Tensor> QuantLinear(const paddle::Tensor& x, const paddle::Tensor& codes,
+                                        const paddle::Tensor& scales, const paddle::Tensor& mins, int bits,
+                                        int num_threads);

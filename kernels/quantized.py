@@ -1,0 +1,113 @@
+"""Weights kept in blocks of 32 low-bit codes (GGUF's Q4_0, Q4_1, Q8_0), as the matmul reads them.
+
+A :class:`BlockQuantized` is a ``[rows, cols]`` matrix (rows = output features, HF's ``[out, in]``)
+whose row ``j`` is stored in blocks of 32 values along ``cols``: value ``32 b + i`` is
+``scales[j, b] * q_i + mins[j, b]``. 4-bit codes pack two values a byte in GGUF's order (the low
+nibbles of a block's 16 bytes are values 0-15, the high nibbles 16-31); 8-bit codes are int8.
+Scales and mins are float32, so :meth:`dequantize` equals GGUF's dequantization bit for bit
+(a half-precision scale times a small integer is exact in float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+BLOCK: Final = 32
+
+
+@dataclass(frozen=True, slots=True)
+class BlockQuantized:
+    """A ``[rows, cols]`` matrix in 4- or 8-bit blocks of 32 along ``cols`` (see the module docstring)."""
+
+    bits: int             # 4 or 8
+    codes: np.ndarray     # uint8 [rows, cols * bits / 8]
+    scales: np.ndarray    # float32 [rows, cols / 32]
+    mins: np.ndarray      # float32 [rows, cols / 32]
+
+    def __post_init__(self) -> None:
+        rows, blocks = self.scales.shape
+        if self.bits not in (4, 8) or self.codes.dtype != np.uint8 or self.codes.shape != (rows, blocks * self.bits * 4):
+            raise ValueError(f"codes {self.codes.dtype}{list(self.codes.shape)} do not hold {rows} rows of "
+                             f"{blocks} {self.bits}-bit blocks")
+        if self.mins.shape != self.scales.shape:
+            raise ValueError(f"mins {list(self.mins.shape)} and scales {list(self.scales.shape)} differ")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` of the matrix it stands for."""
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (codes, scales and mins)."""
+        return self.codes.nbytes + self.scales.nbytes + self.mins.nbytes
+
+    def int_codes(self) -> np.ndarray:
+        """The codes as integers ``[rows, cols]`` (0..15 for 4 bits, -128..127 for 8)."""
+        if self.bits == 8:
+            return self.codes.view(np.int8)
+        rows, blocks = self.scales.shape
+        packed = self.codes.reshape(rows, blocks, 1, BLOCK // 2)
+        nibbles = (packed >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        return nibbles.reshape(rows, blocks * BLOCK)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 matrix ``[rows, cols]``."""
+        rows, blocks = self.scales.shape
+        q = self.int_codes().reshape(rows, blocks, BLOCK).astype(np.float32)
+        return (q * self.scales[..., None] + self.mins[..., None]).reshape(rows, blocks * BLOCK)
+
+    def scaled(self, factor: float) -> BlockQuantized:
+        """The matrix times ``factor`` (exact for a power of two)."""
+        factor = np.float32(factor)
+        return BlockQuantized(self.bits, self.codes, self.scales * factor, self.mins * factor)
+
+    def take_rows(self, order: np.ndarray) -> BlockQuantized:
+        """Rows reordered: row ``i`` of the result is row ``order[i]``."""
+        return BlockQuantized(self.bits, np.ascontiguousarray(self.codes[order]),
+                              np.ascontiguousarray(self.scales[order]), np.ascontiguousarray(self.mins[order]))
+
+    def widened(self) -> BlockQuantized:
+        """The same values with 8-bit codes (a 4-bit matrix's codes 0..15 as int8)."""
+        if self.bits == 8:
+            return self
+        return BlockQuantized(8, self.int_codes().astype(np.int8).view(np.uint8), self.scales, self.mins)
+
+
+def stack_rows(parts: list[BlockQuantized]) -> BlockQuantized:
+    """One matrix of ``parts``' rows in order (a fused q/k/v or gate/up weight); mixed widths are
+    widened to 8 bits."""
+    bits = {part.bits for part in parts}
+    if len(bits) > 1:
+        parts = [part.widened() for part in parts]
+    return BlockQuantized(parts[0].bits, *(np.concatenate([getattr(p, field) for p in parts])
+                                           for field in ("codes", "scales", "mins")))
+
+
+def from_gguf_blocks(kind: str, data: np.ndarray, shape: tuple[int, int]) -> BlockQuantized:
+    """A ``[rows, cols]`` matrix from a GGUF tensor's raw bytes (``kind`` Q4_0, Q4_1 or Q8_0)."""
+    rows, cols = shape
+    layout = {"Q4_0": (2, 0, 4), "Q4_1": (2, 2, 4), "Q8_0": (2, 0, 8)}   # scale bytes, min bytes, bits
+    if kind not in layout or cols % BLOCK:
+        raise ValueError(f"cannot keep a {kind} tensor of shape {list(shape)} in blocks of {BLOCK}")
+    scale_bytes, min_bytes, bits = layout[kind]
+    code_bytes = BLOCK * bits // 8
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // BLOCK, -1)
+    if blocks.shape[-1] != scale_bytes + min_bytes + code_bytes:
+        raise ValueError(f"{kind} blocks of {blocks.shape[-1]} bytes, expected {scale_bytes + min_bytes + code_bytes}")
+
+    def half(start: int) -> np.ndarray:
+        return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+    scales = half(0)
+    if kind == "Q4_1":
+        mins = half(2)
+    elif kind == "Q4_0":   # d * (q - 8) = d * q - 8 d, exact
+        mins = scales * np.float32(-8)
+    else:
+        mins = np.zeros_like(scales)
+    codes = np.ascontiguousarray(blocks[..., scale_bytes + min_bytes:]).reshape(rows, -1)
+    return BlockQuantized(bits, codes, scales, mins)

@@ -1,0 +1,105 @@
+"""Weights kept in their GGUF blocks (``model.quantized_weights = "keep"``) and the fused decoder
+layer: same answers as the float32 path, every KV block free afterwards, clear refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fd_core.config import load_config
+from fd_core.engine.builder import build_engine
+from fd_core.engine.llm import LLM
+from fd_core.errors import ConfigError
+from fd_core.model.kernels import select_kernels
+from fd_core.request import SamplingParams
+from fd_core.testing.tiny_model import write_tiny_gguf
+from fd_plugins.platforms.cpu import CpuPlatform
+
+PROMPTS = [[5, 6, 7, 8] * 10, [9, 10, 11], list(range(40, 140))]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+
+
+def _needs_cpp_kernels() -> None:
+    if select_kernels(CpuPlatform().capabilities).chosen["linear"].name == "portable":
+        pytest.skip("kept blocks need the C++ linear kernel (no compiler here)")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model as a GGUF like the default model's: Q4_1 projections, Q8_0 embedding and head."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf"
+    return str(write_tiny_gguf(path, tiny_model_dir, tensor_type="Q4_1", tensor_types={"token_embd.weight": "Q8_0", "output.weight": "Q8_0"}))
+
+
+def _llm(source: str, quantized_weights: str) -> LLM:
+    return LLM(config=load_config(model={"source": source, "quantized_weights": quantized_weights},
+                                  cache={"num_blocks": 64}))
+
+
+def _answers(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [(o.token_ids, [t.logprob for t in o.logprobs]) for o in outputs]
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    stats = llm.engine.resource_manager.stats()
+    return stats.num_free_blocks == stats.num_blocks
+
+
+def test_kept_blocks_answer_as_the_dequantized_weights_and_free_every_block(tiny_gguf) -> None:
+    _needs_cpp_kernels()
+    kept, dequantized = _llm(tiny_gguf, "keep"), _llm(tiny_gguf, "dequantize")
+    layer = kept.engine.runner.model.layers[0]
+    assert (layer.qkv.bits, layer.gate_up.bits, kept.engine.runner.model.lm_head.bits) == (4, 4, 8)
+    got, want = _answers(kept), _answers(dequantized)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens   # the same weight values: only the matmul's order of sums differs
+        np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-4, atol=1e-4)
+    assert _all_blocks_free(kept) and _all_blocks_free(dequantized)
+
+
+def test_the_fused_layer_equals_the_op_by_op_layer_exactly(tiny_gguf) -> None:
+    _needs_cpp_kernels()
+    llm = _llm(tiny_gguf, "keep")
+    model = llm.engine.runner.model
+    assert llm.engine.runner.kernels.chosen["decoder_layer"].name == "cpp"
+    assert all(layer.fused is not None for layer in model.layers)
+    fused = _answers(llm)
+    assert _answers(llm) == fused   # reproducible
+    model.layers = [dataclasses.replace(layer, fused=None) for layer in model.layers]
+    assert _answers(llm) == fused   # the same kernels in the same order: bit-identical log-probabilities
+    assert _all_blocks_free(llm)
+
+
+def test_float32_layers_run_op_by_op(tiny_gguf) -> None:
+    _needs_cpp_kernels()
+    assert all(layer.fused is None for layer in _llm(tiny_gguf, "dequantize").engine.runner.model.layers)
+
+
+def test_keep_with_a_hugging_face_folder_names_the_key(tiny_model_dir) -> None:
+    config = load_config(model={"source": tiny_model_dir, "quantized_weights": "keep"}, cache={"num_blocks": 64})
+    with pytest.raises(ConfigError, match=r"^model\.quantized_weights: 'keep' reads a GGUF's quantized blocks") as err:
+        build_engine(config)
+    assert err.value.key == "model.quantized_weights"
+
+
+def test_keep_with_the_portable_kernels_names_the_key(tiny_gguf) -> None:
+    config = load_config(model={"source": tiny_gguf, "quantized_weights": "keep"}, cache={"num_blocks": 64},
+                         platform={"name": "cpu", "options": {"kernels": "portable"}})
+    with pytest.raises(ConfigError, match=r"^model\.quantized_weights: 'keep' needs the C\+\+ linear kernel"):
+        build_engine(config)
+
+
+def test_the_portable_kernels_run_block_quantized_weights_as_float32(tiny_gguf) -> None:
+    """A model built directly (``import fd_core``) with kept blocks and no C++ kernels still runs."""
+    from fd_core.model.gguf_loader import load_gguf
+    from fd_core.model.llama import LlamaForCausalLM
+
+    arch, weights, _ = load_gguf(Path(tiny_gguf), keep_quantized=True)
+    model = LlamaForCausalLM(arch, weights)
+    assert model.layers[0].fused is None
+    qkv_weight, transposed = model.layers[0].qkv
+    assert transposed and qkv_weight.shape == [arch.num_attention_heads * arch.head_dim * 2, arch.hidden_size]

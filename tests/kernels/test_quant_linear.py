@@ -1,0 +1,97 @@
+"""Block-quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 kept in their blocks): the container equals
+gguf's own dequantization bit for bit, and the C++ matmul that widens the blocks in registers
+equals a float32 matmul of the dequantized weight (up to the order of the sums)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import paddle
+import pytest
+
+from fd_kernels import native
+from fd_kernels.linear import PORTABLE_LINEAR
+from fd_kernels.quantized import BlockQuantized, from_gguf_blocks, stack_rows
+from fd_plugins.platforms.cpu import CpuPlatform
+
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _gguf_tensor(rng: np.random.Generator, kind: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(raw GGUF bytes, gguf's float32 dequantization) of a random [rows, cols] matrix."""
+    values = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2.0, size=(rows, 1))).astype(np.float32)
+    values[0, :32] = 0.0   # an all-zero block: scale 0
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = gguf.quants.quantize(values, qtype)
+    return raw, gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_dequantize_as_gguf_does_bit_for_bit(kind: str) -> None:
+    raw, want = _gguf_tensor(np.random.default_rng(1), kind, 24, 96)
+    weight = from_gguf_blocks(kind, raw, (24, 96))
+    assert weight.shape == (24, 96) and weight.bits == (8 if kind == "Q8_0" else 4)
+    assert weight.nbytes < want.nbytes / 3
+    np.testing.assert_array_equal(weight.dequantize(), want)
+    np.testing.assert_array_equal(weight.widened().dequantize(), want)
+
+
+def test_rows_stack_reorder_and_scale_like_the_float32_matrix() -> None:
+    rng = np.random.default_rng(2)
+    (raw4, dense4), (raw8, dense8) = _gguf_tensor(rng, "Q4_1", 8, 64), _gguf_tensor(rng, "Q8_0", 4, 64)
+    q4, q8 = from_gguf_blocks("Q4_1", raw4, (8, 64)), from_gguf_blocks("Q8_0", raw8, (4, 64))
+    mixed = stack_rows([q4, q8])   # mixed widths: widened to 8 bits
+    assert mixed.bits == 8
+    np.testing.assert_array_equal(mixed.dequantize(), np.concatenate([dense4, dense8]))
+    assert stack_rows([q4, q4]).bits == 4
+    order = rng.permutation(8)
+    np.testing.assert_array_equal(q4.take_rows(order).dequantize(), dense4[order])
+    np.testing.assert_array_equal(q4.scaled(0.125).dequantize(), dense4 * np.float32(0.125))
+
+
+def test_a_malformed_tensor_is_refused_with_its_shape() -> None:
+    with pytest.raises(ValueError, match="shape \\[4, 40\\]"):
+        from_gguf_blocks("Q4_1", np.zeros(4 * 40, np.uint8), (4, 40))
+    with pytest.raises(ValueError, match="do not hold 2 rows"):
+        BlockQuantized(4, np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32))
+
+
+@pytest.fixture(scope="module")
+def linear():
+    try:
+        return native.prepare_linear(CpuPlatform().capabilities)
+    except native.NativeKernelsUnavailable as exc:
+        if "no C++ compiler" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+# 1: a decode row; 3 and 13: partial tiles of 8; 64: one row task; 150: several, the last partial
+@pytest.mark.parametrize("rows", [1, 3, 13, 64, 150])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpp_quantized_matmul_equals_float32_matmul_of_the_dequantized_weight(linear, kind: str, rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    raw, dense = _gguf_tensor(rng, kind, 37, 160)      # 37 features: tasks of 16 plus a remainder
+    x = rng.standard_normal((rows, 160)).astype(np.float32)
+    bias = rng.standard_normal(37).astype(np.float32)
+    prepared = linear.prepare(from_gguf_blocks(kind, raw, (37, 160)))
+    got = linear(paddle.to_tensor(x), prepared, paddle.to_tensor(bias)).numpy()
+    np.testing.assert_allclose(got, x.astype(np.float64) @ dense.T.astype(np.float64) + bias, rtol=2e-5, atol=2e-5)
+    assert linear(paddle.to_tensor(x[:0]), prepared).shape == [0, 37]
+
+
+def test_cpp_quantized_matmul_takes_leading_dimensions(linear) -> None:
+    rng = np.random.default_rng(5)
+    raw, dense = _gguf_tensor(rng, "Q4_1", 16, 64)
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    got = linear(paddle.to_tensor(x), linear.prepare(from_gguf_blocks("Q4_1", raw, (16, 64)))).numpy()
+    assert got.shape == (2, 3, 16)
+    np.testing.assert_allclose(got, x @ dense.T, rtol=2e-5, atol=2e-5)
+
+
+def test_portable_linear_dequantizes_a_quantized_weight() -> None:
+    rng = np.random.default_rng(6)
+    raw, dense = _gguf_tensor(rng, "Q8_0", 12, 64)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    got = PORTABLE_LINEAR(paddle.to_tensor(x), PORTABLE_LINEAR.prepare(from_gguf_blocks("Q8_0", raw, (12, 64))))
+    np.testing.assert_allclose(got.numpy(), x @ dense.T, rtol=1e-5, atol=1e-5)
