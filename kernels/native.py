@@ -169,7 +169,7 @@ class PackedLinear:
             out = self._ops.fd_packed_linear(x, prepared.data, prepared.width)
         elif isinstance(prepared, _Quantized):
             out = self._ops.fd_quant_linear(x, prepared.codes, prepared.scales, prepared.mins, prepared.bits,
-                                            self._threads)
+                                            self._threads, self._mkl)
         else:
             return PORTABLE_LINEAR(x, prepared, bias)
         return out if bias is None else out + bias
@@ -202,9 +202,10 @@ class FusedDecoderLayer:
 
     name = "cpp"
 
-    def __init__(self, ops: ModuleType) -> None:
+    def __init__(self, ops: ModuleType, mkl: Path) -> None:
         self._op = ops.fd_decoder_layer
         self._threads = _threads()
+        self._mkl = str(mkl) if mkl.exists() else ""
 
     def bind(self, linears: Sequence[Any], qkv_bias: Any) -> tuple[list[Any], list[int], list[int]] | None:
         """(weight tensors, bits, widths) for the op, or ``None`` (see ``fd_kernels.decoder_layer``)."""
@@ -221,22 +222,28 @@ class FusedDecoderLayer:
         out, summed = self._op(x, x if residual is None else residual, input_norm, post_norm,
                                      attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor,
                                      attn.row_tables, attn.row_starts, attn.row_lens, tensors, kinds, widths,
-                                     num_heads, head_dim, eps, residual is not None, self._threads)[:2]
+                                     num_heads, head_dim, eps, residual is not None, self._threads,
+                                     self._mkl)[:2]
         return out, summed
 
 
 def prepare_decoder_layer(capabilities: Collection[str]) -> FusedDecoderLayer:
     """The C++ ``decoder_layer`` variant (see :class:`FusedDecoderLayer`)."""
-    return FusedDecoderLayer(load_native(capabilities))
+    return FusedDecoderLayer(load_native(capabilities), _mkl_library())
 
 
 def prepare_linear(capabilities: Collection[str]) -> PackedLinear:
     """The C++ ``linear`` variant: weights packed for MKL's GEMM, which must be in Paddle's wheel
     (``libmklml_intel.so``)."""
-    mkl = paddle_libs() / "libmklml_intel.so"
+    mkl = _mkl_library()
     if not mkl.exists():
         raise NativeKernelsUnavailable(f"Paddle's wheel has no {mkl.name} (MKL's packed GEMM)")
     return PackedLinear(load_native(capabilities), mkl)
+
+
+def _mkl_library() -> Path:
+    """Paddle's MKL (its GEMM entry points), which a CPU wheel ships."""
+    return paddle_libs() / "libmklml_intel.so"
 
 
 def _threads() -> int:

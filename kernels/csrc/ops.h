@@ -3,6 +3,7 @@
 
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "paddle/extension.h"
@@ -21,4 +22,4 @@ std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x, int num_threads);
 std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x, const paddle::Tensor& packed, int n);
 std::vector<paddle::Tensor> QuantLinear(const paddle::Tensor& x, const paddle::Tensor& codes,
                                         const paddle::Tensor& scales, const paddle::Tensor& mins, int bits,
-                                        int num_threads);
+                                        int num_threads, const std::string& mkl_path);

@@ -5,49 +5,24 @@
 //   fd_packed_linear(x [..., k] float32, packed, n) -> [..., n] = x @ B
 //
 // Packing moves the per-call repacking of B out of every step: at a decode step's few rows it
-// is a large share of the matmul. MKL's entry points come from Paddle's libmklml_intel.so (its
-// path given at the first packing; the same library instance Paddle's matmuls use, so the same
-// thread count). The packed buffer is a Paddle tensor
+// is a large share of the matmul. MKL's entry points come from Paddle's libmklml_intel.so
+// (mkl_api.h; its path given at the first packing; the same library instance Paddle's matmuls
+// use, so the same thread count). The packed buffer is a Paddle tensor
 // that never moves (MKL's layout must not be copied to another address).
-
-#include <dlfcn.h>
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "mkl_api.h"
 #include "paddle/extension.h"
 
 namespace {
 
-// CBLAS constants (mkl_cblas.h).
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kBMatrix = 162, kPacked = 151;
+using namespace mkl_api;
+
 // The row count the packing is sized for; MKL's packed B serves any row count.
 constexpr int kPackRows = 64;
-
-struct Mkl {
-  size_t (*get_size)(int, int, int, int);
-  void (*pack)(int, int, int, int, int, int, float, const float*, int, float*);
-  void (*compute)(int, int, int, int, int, int, const float*, int, const float*, int, float, float*, int);
-};
-
-// MKL's entry points in the library at `path` (Paddle's libmklml_intel.so), opened locally: its
-// symbols must not become global, where they would interpose on another MKL in the process (torch's).
-const Mkl& mkl(const std::string& path = "") {
-  static const Mkl found = [&] {
-    Mkl m{};
-    void* library = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (library != nullptr) {
-      m.get_size = reinterpret_cast<decltype(m.get_size)>(dlsym(library, "cblas_sgemm_pack_get_size"));
-      m.pack = reinterpret_cast<decltype(m.pack)>(dlsym(library, "cblas_sgemm_pack"));
-      m.compute = reinterpret_cast<decltype(m.compute)>(dlsym(library, "cblas_sgemm_compute"));
-    }
-    return m;
-  }();
-  PD_CHECK(found.get_size && found.pack && found.compute, "fd_packed_linear: MKL's cblas_sgemm_pack/compute not found",
-           path.empty() ? "" : " in ", path);
-  return found;
-}
 
 }  // namespace
 
@@ -56,7 +31,7 @@ std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& weight, bool transp
            "fd_pack_weight: a 2-D float32 weight");
   const int rows = static_cast<int>(weight.shape()[0]), cols = static_cast<int>(weight.shape()[1]);
   const int k = transposed ? cols : rows, n = transposed ? rows : cols;
-  const Mkl& m = mkl(mkl_path);
+  const Functions& m = functions(mkl_path);
   const auto bytes = static_cast<int64_t>(m.get_size(kBMatrix, kPackRows, n, k));
   auto packed = paddle::empty({bytes}, paddle::DataType::UINT8, weight.place());
   m.pack(kRowMajor, kBMatrix, transposed ? kTrans : kNoTrans, kPackRows, n, k, 1.0f, weight.data<float>(), cols,
@@ -72,7 +47,7 @@ std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x, const paddle::
   shape.back() = n;
   auto out = paddle::empty(shape, x.dtype(), x.place());
   if (rows > 0)
-    mkl().compute(kRowMajor, kNoTrans, kPacked, rows, n, k, x.data<float>(), k,
+    functions().compute(kRowMajor, kNoTrans, kPacked, rows, n, k, x.data<float>(), k,
                   reinterpret_cast<const float*>(packed.data<uint8_t>()), n, 0.0f, out.data<float>(), n);
   return {out};
 }

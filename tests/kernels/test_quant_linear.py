@@ -66,8 +66,9 @@ def linear():
         raise
 
 
-# 1: a decode row; 3 and 13: partial tiles of 8; 64: one row task; 150: several, the last partial
-@pytest.mark.parametrize("rows", [1, 3, 13, 64, 150])
+# 1: a decode row; 3 and 13: partial tiles of 8; 64: one row task; 100: two, the last partial;
+# 150: past kGemmRows, the widened weight through MKL's sgemm
+@pytest.mark.parametrize("rows", [1, 3, 13, 64, 100, 150])
 @pytest.mark.parametrize("kind", KINDS)
 def test_cpp_quantized_matmul_equals_float32_matmul_of_the_dequantized_weight(linear, kind: str, rows: int) -> None:
     rng = np.random.default_rng(rows)

@@ -1,0 +1,45 @@
+// MKL's GEMM entry points, from Paddle's libmklml_intel.so, resolved once per process.
+//
+// The library is opened locally: its symbols must not become global, where they would interpose
+// on another MKL in the process (torch's: a crash).
+
+#pragma once
+
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <string>
+
+#include "paddle/extension.h"
+
+namespace mkl_api {
+
+// CBLAS constants (mkl_cblas.h).
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kBMatrix = 162, kPacked = 151;
+
+struct Functions {
+  size_t (*get_size)(int, int, int, int);
+  void (*pack)(int, int, int, int, int, int, float, const float*, int, float*);
+  void (*compute)(int, int, int, int, int, int, const float*, int, const float*, int, float, float*, int);
+  void (*gemm)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+};
+
+// The entry points of the library at `path`; the first call's path is the one opened.
+inline const Functions& functions(const std::string& path = "") {
+  static const Functions found = [&] {
+    Functions f{};
+    void* library = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (library != nullptr) {
+      f.get_size = reinterpret_cast<decltype(f.get_size)>(dlsym(library, "cblas_sgemm_pack_get_size"));
+      f.pack = reinterpret_cast<decltype(f.pack)>(dlsym(library, "cblas_sgemm_pack"));
+      f.compute = reinterpret_cast<decltype(f.compute)>(dlsym(library, "cblas_sgemm_compute"));
+      f.gemm = reinterpret_cast<decltype(f.gemm)>(dlsym(library, "cblas_sgemm"));
+    }
+    return f;
+  }();
+  PD_CHECK(found.get_size && found.pack && found.compute && found.gemm,
+           "MKL's cblas_sgemm/cblas_sgemm_pack/compute not found", path.empty() ? "" : " in ", path);
+  return found;
+}
+
+}  // namespace mkl_api
