@@ -198,7 +198,7 @@ class FusedDecoderLayer:
     kernels as the op-by-op path (same results, no per-op dispatch). Binds layers without a q/k/v
     bias whose four weights are block-quantized: with MKL's packed GEMM inside the op, float32
     layers gave results that varied in the last bits from run to run (seen on an AMD EPYC; op by op
-    they are reproducible), so they stay op by op."""
+    they are reproducible; MKL's strict reproducibility mode removes it), so they stay op by op."""
 
     name = "cpp"
 
