@@ -196,16 +196,21 @@ class FusedDecoderLayer:
     """The C++ ``decoder_layer`` (``csrc/decoder_layer.cc``): RMSNorm, q/k/v, RoPE + KV write,
     attention, o, RMSNorm, gate/up, SwiGLU and down of one layer in one op, through the same
     kernels as the op-by-op path (same results, no per-op dispatch). Binds layers without a q/k/v
-    bias whose four weights are block-quantized: with MKL's packed GEMM inside the op, float32
-    layers gave results that varied in the last bits from run to run (seen on an AMD EPYC; op by op
-    they are reproducible; MKL's strict reproducibility mode removes it), so they stay op by op."""
+    bias whose four weights are block-quantized, for steps of fewer than :attr:`max_tokens` tokens.
+    Called inside this op, MKL gave results that varied in the last bits from run to run (float32
+    packed weights; seen on an AMD EPYC, one thread included; op by op they are reproducible, and
+    MKL's strict reproducibility mode removes it), so MKL stays out of it."""
 
     name = "cpp"
 
-    def __init__(self, ops: ModuleType, mkl: Path) -> None:
+    #: Steps of this many tokens or more run op by op: compute-bound, they gain nothing from one
+    #: dispatch per layer, and there the quantized linear hands its matmuls to MKL (``kGemmRows`` in
+    #: ``csrc/quant_linear.cc``), which this op never calls.
+    max_tokens = 128
+
+    def __init__(self, ops: ModuleType) -> None:
         self._op = ops.fd_decoder_layer
         self._threads = _threads()
-        self._mkl = str(mkl) if mkl.exists() else ""
 
     def bind(self, linears: Sequence[Any], qkv_bias: Any) -> tuple[list[Any], list[int], list[int]] | None:
         """(weight tensors, bits, widths) for the op, or ``None`` (see ``fd_kernels.decoder_layer``)."""
@@ -222,14 +227,13 @@ class FusedDecoderLayer:
         out, summed = self._op(x, x if residual is None else residual, input_norm, post_norm,
                                      attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor,
                                      attn.row_tables, attn.row_starts, attn.row_lens, tensors, kinds, widths,
-                                     num_heads, head_dim, eps, residual is not None, self._threads,
-                                     self._mkl)[:2]
+                                     num_heads, head_dim, eps, residual is not None, self._threads)[:2]
         return out, summed
 
 
 def prepare_decoder_layer(capabilities: Collection[str]) -> FusedDecoderLayer:
     """The C++ ``decoder_layer`` variant (see :class:`FusedDecoderLayer`)."""
-    return FusedDecoderLayer(load_native(capabilities), _mkl_library())
+    return FusedDecoderLayer(load_native(capabilities))
 
 
 def prepare_linear(capabilities: Collection[str]) -> PackedLinear:

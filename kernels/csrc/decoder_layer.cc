@@ -11,9 +11,9 @@
 // Weights (qkv, o, gate_up, down, in that order) come as one list: per linear, `kinds[i]` 0 takes
 // one tensor (an MKL-packed float32 weight, `widths[i]` output features), 4 or 8 takes three
 // (codes, scales, mins of a block-quantized weight, see quant_linear.cc). The Python side binds
-// block-quantized layers only (see fd_kernels.native.FusedDecoderLayer for why).
+// block-quantized layers only and runs steps of fewer than 128 tokens here (see
+// fd_kernels.native.FusedDecoderLayer for why): MKL is never called inside this op.
 
-#include <string>
 #include <vector>
 
 #include "ops.h"
@@ -26,14 +26,13 @@ struct Linears {
   const std::vector<int>& kinds;
   const std::vector<int>& widths;
   int threads;
-  const std::string& mkl_path;
   std::vector<size_t> first;   // index of each linear's first tensor in `weights`
 
   paddle::Tensor apply(int i, const paddle::Tensor& x) const {
     const auto& w = weights;
     const size_t at = first[i];
     if (kinds[i] == 0) return PackedLinear(x, w[at], widths[i])[0];
-    return QuantLinear(x, w[at], w[at + 1], w[at + 2], kinds[i], threads, mkl_path)[0];
+    return QuantLinear(x, w[at], w[at + 1], w[at + 2], kinds[i], threads, /*mkl_path=*/"")[0];
   }
 };
 
@@ -47,9 +46,9 @@ std::vector<paddle::Tensor> DecoderLayer(const paddle::Tensor& x, const paddle::
                                          const paddle::Tensor& row_starts, const paddle::Tensor& row_lens,
                                          const std::vector<paddle::Tensor>& weights, const std::vector<int>& kinds,
                                          const std::vector<int>& widths, int num_heads, int head_dim, float eps,
-                                         bool has_residual, int num_threads, const std::string& mkl_path) {
+                                         bool has_residual, int num_threads) {
   PD_CHECK(kinds.size() == 4 && widths.size() == 4, "fd_decoder_layer: four linears (qkv, o, gate_up, down)");
-  Linears linears{weights, kinds, widths, num_threads, mkl_path, {}};
+  Linears linears{weights, kinds, widths, num_threads, {}};
   size_t at = 0;
   for (int kind : kinds) {
     PD_CHECK(kind == 0 || kind == 4 || kind == 8, "fd_decoder_layer: weight kind ", kind, " is not 0, 4 or 8");
@@ -92,7 +91,7 @@ PD_BUILD_OP(fd_decoder_layer)
              "RowTables", "RowStarts", "RowLens", paddle::Vec("Weights")})
     .Outputs({"Out", "ResidualOut", "KCacheOut", "VCacheOut"})
     .Attrs({"kinds: std::vector<int>", "widths: std::vector<int>", "num_heads: int", "head_dim: int", "eps: float",
-            "has_residual: bool", "num_threads: int", "mkl_path: std::string"})
+            "has_residual: bool", "num_threads: int"})
     .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
     .SetKernelFn(PD_KERNEL(DecoderLayer))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayerShape))
