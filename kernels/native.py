@@ -223,10 +223,10 @@ class FusedDecoderLayer:
                  post_norm: Any, k_cache: Any, v_cache: Any, attn: Any, cos: Any, sin: Any, num_heads: int,
                  head_dim: int, eps: float) -> tuple[Any, Any]:
         """``(out, residual stream)`` of the layer, its K/V written into the caches."""
-        tensors, kinds, widths = bound
+        tensors, bits, widths = bound
         out, summed = self._op(x, x if residual is None else residual, input_norm, post_norm,
                                      attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor,
-                                     attn.row_tables, attn.row_starts, attn.row_lens, tensors, kinds, widths,
+                                     attn.row_tables, attn.row_starts, attn.row_lens, tensors, bits, widths,
                                      num_heads, head_dim, eps, residual is not None, self._threads)[:2]
         return out, summed
 
