@@ -21,6 +21,7 @@ from pydantic import (
     PrivateAttr,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -58,9 +59,23 @@ class ModelSection(_Section):
             "(4-7x less weight memory and traffic: a decode step of few rows is bound by it). The weights "
             "are the same values either way; only the order of the matmul's sums differs. `keep` needs a "
             "GGUF model, `model.dtype` float32 and the C++ linear kernel."))
+    linear_weights: Literal["float32", "bfloat16"] = Field(
+        "float32", description=(
+            "Storage of a float32 model's projection and head weights. `bfloat16` rounds them to bfloat16 "
+            "(nearest even): the C++ linear kernel keeps them in 16 bits and widens them inside the matmul, "
+            "so a decode step reads half the bytes; inputs and sums stay float32, and outputs are close to, "
+            "not identical with, float32's. Matrices whose input width is not a multiple of 32, and weights "
+            "kept in GGUF blocks, stay as they are; the portable kernels round the values but keep float32."))
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt + output; defaults to min(model limit, 2048).")
     seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")
+
+    @field_validator("linear_weights")
+    @classmethod
+    def _bfloat16_rounds_float32(cls, value: str, info: ValidationInfo) -> str:
+        if value == "bfloat16" and info.data.get("dtype", "float32") != "float32":
+            raise ValueError(f"'bfloat16' rounds a float32 model's weights; model.dtype is {info.data['dtype']!r}")
+        return value
 
 
 class CacheSection(_Section):

@@ -5,7 +5,9 @@
 step repacks them, and keeps block-quantized weights (``fd_kernels.quantized``) in their blocks. Both
 take Paddle-layout weights ``[in, out]``, or ``[out, in]`` with ``transposed=True`` (a head tied to
 the embedding), or a :class:`~fd_kernels.quantized.BlockQuantized` ``[out, in]``, and return
-``x @ weight (+ bias)``.
+``x @ weight (+ bias)``. ``prepare(..., bfloat16=True)`` rounds a float32 weight to bfloat16:
+the C++ variant stores it in 16 bits and widens it inside the matmul (half the bytes a decode
+step reads), the portable one keeps the rounded values in float32; inputs and sums stay float32.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import paddle
 import paddle.nn.functional as F
 
-from fd_kernels.quantized import BlockQuantized
+from fd_kernels.quantized import BlockQuantized, round_to_bfloat16
 
 
 class PortableLinear:
@@ -24,10 +26,13 @@ class PortableLinear:
 
     name = "portable"
 
-    def prepare(self, weight: paddle.Tensor, *, transposed: bool = False) -> Any:
-        """What :meth:`__call__` takes for ``weight`` (here: the weight itself)."""
+    def prepare(self, weight: paddle.Tensor, *, transposed: bool = False, bfloat16: bool = False) -> Any:
+        """What :meth:`__call__` takes for ``weight`` (here: the weight itself; with ``bfloat16``, a
+        float32 weight rounded to bfloat16 values, still stored as float32)."""
         if isinstance(weight, BlockQuantized):
             return (paddle.to_tensor(weight.dequantize()), True)
+        if bfloat16 and weight.dtype == paddle.float32:
+            return (paddle.to_tensor(round_to_bfloat16(weight.numpy())), transposed)
         return (weight, transposed)
 
     def __call__(self, x: paddle.Tensor, prepared: Any, bias: paddle.Tensor | None = None) -> paddle.Tensor:

@@ -26,8 +26,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
 
+import numpy as np
+
 from fd_kernels.linear import PORTABLE_LINEAR
-from fd_kernels.quantized import BlockQuantized
+from fd_kernels.quantized import BLOCK, BlockQuantized, bfloat16_codes
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +145,10 @@ def prepare_swiglu(capabilities: Collection[str]) -> Callable[..., Any]:
 
 
 class PackedLinear:
-    """Float32 weights packed once into MKL's GEMM layout (``csrc/packed_linear.cc``), block-quantized
-    ones kept as they are and widened inside the matmul (``csrc/quant_linear.cc``); other dtypes go
-    through the portable linear. Same contract as ``fd_kernels.linear.PortableLinear``."""
+    """Float32 weights packed once into MKL's GEMM layout (``csrc/packed_linear.cc``); block-quantized
+    ones, and float32 ones stored as bfloat16 (``bfloat16=True``), kept as they are and widened inside
+    the matmul (``csrc/quant_linear.cc``); other dtypes go through the portable linear. Same contract
+    as ``fd_kernels.linear.PortableLinear``."""
 
     name = "mkl_packed"
 
@@ -154,14 +157,18 @@ class PackedLinear:
         self._mkl = str(mkl)
         self._threads = _threads()
 
-    def prepare(self, weight: Any, *, transposed: bool = False) -> Any:
+    def prepare(self, weight: Any, *, transposed: bool = False, bfloat16: bool = False) -> Any:
         """The packed weight (a uint8 tensor that must stay where it is) and its output width, or the
-        quantized weight's codes, scales and mins as tensors."""
+        quantized (or bfloat16) weight's codes, scales and mins as tensors. ``bfloat16`` applies to
+        float32 weights whose input width is a multiple of 32 (the kernel's block); others stay float32."""
         if isinstance(weight, BlockQuantized):
             return _Quantized(weight)
         if str(weight.dtype) not in ("paddle.float32", "float32"):
             return PORTABLE_LINEAR.prepare(weight, transposed=transposed)
-        width = weight.shape[0] if transposed else weight.shape[1]
+        width, inputs = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+        if bfloat16 and inputs % BLOCK == 0:
+            rows = weight.numpy() if transposed else weight.numpy().T   # [out, in]
+            return _Quantized.bfloat16(bfloat16_codes(rows))
         return _Packed(self._ops.fd_pack_weight(weight, transposed, self._mkl), width)
 
     def __call__(self, x: Any, prepared: Any, bias: Any = None) -> Any:
@@ -183,20 +190,32 @@ class _Packed:
 
 
 class _Quantized:
+    """``fd_quant_linear``'s operands: a block-quantized weight, or a bfloat16 one (16 bits, no scales)."""
+
     __slots__ = ("bits", "codes", "scales", "mins", "width")
 
     def __init__(self, weight: BlockQuantized) -> None:
+        self._set(weight.bits, weight.codes, weight.scales, weight.mins)
+
+    @classmethod
+    def bfloat16(cls, codes: np.ndarray) -> _Quantized:
+        """From ``bfloat16_codes``' ``[out, 2 * in]`` bytes."""
+        prepared = cls.__new__(cls)
+        prepared._set(16, codes, np.zeros(0, np.float32), np.zeros(0, np.float32))
+        return prepared
+
+    def _set(self, bits: int, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> None:
         import paddle
 
-        self.bits, self.width = weight.bits, weight.shape[0]
-        self.codes, self.scales, self.mins = (paddle.to_tensor(a) for a in (weight.codes, weight.scales, weight.mins))
+        self.bits, self.width = bits, codes.shape[0]
+        self.codes, self.scales, self.mins = (paddle.to_tensor(a) for a in (codes, scales, mins))
 
 
 class FusedDecoderLayer:
     """The C++ ``decoder_layer`` (``csrc/decoder_layer.cc``): RMSNorm, q/k/v, RoPE + KV write,
     attention, o, RMSNorm, gate/up, SwiGLU and down of one layer in one op, through the same
     kernels as the op-by-op path (same results, no per-op dispatch). Binds layers without a q/k/v
-    bias whose four weights are block-quantized, for steps of fewer than :attr:`max_tokens` tokens.
+    bias whose four weights are block-quantized or bfloat16, for steps of fewer than :attr:`max_tokens` tokens.
     Called inside this op, MKL gave results that varied in the last bits from run to run (float32
     packed weights; seen on an AMD EPYC, one thread included; op by op they are reproducible, and
     MKL's strict reproducibility mode removes it), so MKL stays out of it."""

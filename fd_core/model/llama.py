@@ -9,7 +9,9 @@ K/V cache write are one kernel. The swappable ops (RMSNorm, RoPE + KV write, pag
 come in a :class:`~fd_core.model.kernels.KernelSet` chosen from the platform's capabilities;
 without one the model uses the portable kernels. Matrices may come block-quantized
 (:class:`~fd_kernels.quantized.BlockQuantized`, from a GGUF): the linear kernel then keeps them
-in their blocks (a float32 model) and the embedding lookup reads a float32 copy.
+in their blocks (a float32 model) and the embedding lookup reads a float32 copy. With
+``linear_weights="bfloat16"`` the other float32 matrices (projections and head) are rounded to
+bfloat16, which the C++ linear kernel stores in 16 bits (inputs and sums stay float32).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 
 #: Compute dtypes the model accepts (the platform says which it runs); float32 is the tested path.
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+#: How the float32 projections and head may be stored (``linear_weights``).
+LINEAR_WEIGHTS: tuple[str, ...] = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +76,13 @@ class LlamaForCausalLM:
     """A Llama-shaped causal LM whose attention reads and writes a paged KV cache."""
 
     def __init__(self, arch: LlamaArchConfig, weights: Mapping[str, np.ndarray | BlockQuantized], *,
-                 dtype: str = "float32", kernels: KernelSet = PORTABLE_KERNELS) -> None:
+                 dtype: str = "float32", kernels: KernelSet = PORTABLE_KERNELS,
+                 linear_weights: str = "float32") -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
+        if linear_weights not in LINEAR_WEIGHTS:
+            raise ValueError(f"linear_weights {linear_weights!r} is not supported; use one of {LINEAR_WEIGHTS}")
+        bfloat16 = linear_weights == "bfloat16"
         expected = expected_weight_shapes(arch)
         missing = [name for name in expected if name not in weights]
         if missing:
@@ -103,7 +111,7 @@ class LlamaForCausalLM:
             if keeps_blocks(*blocks):
                 return kernels.linear.prepare(stack_rows(list(blocks)))
             dense = [b.dequantize() if isinstance(b, BlockQuantized) else b for b in blocks]
-            return kernels.linear.prepare(tensor(np.concatenate(dense, axis=0).T))   # [in, sum(out)]
+            return kernels.linear.prepare(tensor(np.concatenate(dense, axis=0).T), bfloat16=bfloat16)  # [in, sum(out)]
 
         def scaled(weight: np.ndarray | BlockQuantized, factor: float) -> np.ndarray | BlockQuantized:
             return weight.scaled(factor) if isinstance(weight, BlockQuantized) else weight * factor
@@ -133,7 +141,7 @@ class LlamaForCausalLM:
             self.lm_head = kernels.linear.prepare(head)
         else:
             self.lm_head = kernels.linear.prepare(self.embed_tokens if arch.tie_word_embeddings else tensor(head),
-                                                  transposed=True)
+                                                  transposed=True, bfloat16=bfloat16)
         cos, sin = _rope_tables(arch)
         self.rope_cos = tensor(cos)
         self.rope_sin = tensor(sin)

@@ -179,6 +179,31 @@ def test_a_bfloat16_kv_cache_with_the_reference_kernels_names_the_key(tiny_model
     assert err.value.key == "cache.dtype"
 
 
+def test_bfloat16_linear_weights_halve_the_weights_and_drain_back_to_free(make_llm):
+    from fd_core.request import SamplingParams
+
+    if select_host_kernels().chosen["linear"].name == "portable":
+        pytest.skip("16-bit storage is the C++ linear kernel's (no compiler here)")
+    llm = make_llm(model={"linear_weights": "bfloat16"})   # accuracy: the teacher-forced oracle test
+    model, arch = llm.engine.runner.model, llm.engine.runner.arch
+    qkv_width = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
+    assert model.layers[0].qkv.bits == 16 and model.lm_head.bits == 16
+    assert model.layers[0].qkv.codes.shape == [qkv_width, 2 * arch.hidden_size]   # 2 bytes a value
+    prompts = [[5, 6, 7, 8] * 10, [9, 10, 11], list(range(40, 140))] * 2
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert [len(tokens) for tokens in outputs] == [12] * 6
+    assert outputs[:3] == outputs[3:]   # reproducible
+    stats = llm.engine.resource_manager.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_bfloat16_linear_weights_of_a_bfloat16_model_name_the_key():
+    with pytest.raises(ConfigError, match=r"^model\.linear_weights: .*'bfloat16' rounds a float32 model's weights; "
+                                          r"model\.dtype is 'bfloat16'"):
+        load_config(model={"linear_weights": "bfloat16", "dtype": "bfloat16"})
+
+
 def select_host_kernels():
     from fd_core.model.kernels import select_kernels
 

@@ -1,5 +1,6 @@
-"""Weights kept in their GGUF blocks (``model.quantized_weights = "keep"``) and the fused decoder
-layer: same answers as the float32 path, every KV block free afterwards, clear refusals."""
+"""Weights kept in their GGUF blocks (``model.quantized_weights = "keep"``), bfloat16 weights
+(``model.linear_weights``) and the fused decoder layer: same answers as the float32 path (kept
+blocks) or as the op-by-op layer, every KV block free afterwards, clear refusals."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ def tiny_gguf(tiny_model_dir, tmp_path_factory) -> str:
     return str(write_tiny_gguf(path, tiny_model_dir, tensor_type="Q4_1", tensor_types={"token_embd.weight": "Q8_0", "output.weight": "Q8_0"}))
 
 
-def _llm(source: str, quantized_weights: str, **cache: bool) -> LLM:
-    return LLM(config=load_config(model={"source": source, "quantized_weights": quantized_weights},
+def _llm(source: str, quantized_weights: str, linear_weights: str = "float32", **cache: bool) -> LLM:
+    return LLM(config=load_config(model={"source": source, "quantized_weights": quantized_weights,
+                                         "linear_weights": linear_weights},
                                   cache={"num_blocks": 64, **cache}))
 
 
@@ -74,6 +76,17 @@ def test_the_fused_layer_equals_the_op_by_op_layer_exactly(tiny_gguf, prompts: l
     assert _answers(llm, prompts) == fused   # reproducible
     model.layers = [dataclasses.replace(layer, fused=None) for layer in model.layers]
     assert _answers(llm, prompts) == fused   # the same kernels in the same order: bit-identical log-probabilities
+    assert _all_blocks_free(llm)
+
+
+def test_bfloat16_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_model_dir) -> None:
+    _needs_cpp_kernels()
+    llm = _llm(tiny_model_dir, "dequantize", "bfloat16", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert all(layer.fused is not None and layer.qkv.bits == 16 for layer in model.layers)
+    fused = _answers(llm)
+    model.layers = [dataclasses.replace(layer, fused=None) for layer in model.layers]
+    assert _answers(llm) == fused
     assert _all_blocks_free(llm)
 
 
