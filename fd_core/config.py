@@ -64,8 +64,8 @@ class ModelSection(_Section):
             "Storage of a float32 model's projection and head weights. `bfloat16` rounds them to bfloat16 "
             "(nearest even): the C++ linear kernel keeps them in 16 bits and widens them inside the matmul, "
             "so a decode step reads half the bytes; inputs and sums stay float32, and outputs are close to, "
-            "not identical with, float32's. Matrices whose input width is not a multiple of 32, and weights "
-            "kept in GGUF blocks, stay as they are; the portable kernels round the values but keep float32."))
+            "not identical with, float32's. Weights kept in GGUF blocks stay in their blocks; the portable "
+            "kernels round the values but keep them in float32."))
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt + output; defaults to min(model limit, 2048).")
     seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")

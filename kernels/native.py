@@ -26,17 +26,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
 
-import numpy as np
-
 from fd_kernels.linear import PORTABLE_LINEAR
-from fd_kernels.quantized import BLOCK, BlockQuantized, bfloat16_codes
+from fd_kernels.quantized import BlockQuantized
 
 log = logging.getLogger(__name__)
 
 _CSRC: Final = Path(__file__).parent / "csrc"
 SOURCES: Final = tuple(_CSRC / name for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc", "swiglu.cc",
                                                   "packed_linear.cc", "quant_linear.cc",
-                                                  "decoder_layer.cc"))
+                                                  "bf16_linear.cc", "decoder_layer.cc"))
 HEADERS: Final = tuple(sorted(_CSRC.glob("*.h")))
 # OpenMP: the kernels run on Intel's runtime (libiomp5, which Paddle's MKL uses): one thread pool
 # for the matmuls and these kernels, so neither spins against the other's threads. No FP traps or
@@ -83,7 +81,8 @@ def paddle_libs() -> Path:
 
 def load_native(capabilities: Collection[str]) -> ModuleType:
     """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``, ``fd_swiglu``,
-    ``fd_pack_weight``, ``fd_packed_linear``, ``fd_quant_linear``, ``fd_decoder_layer``) built for
+    ``fd_pack_weight``, ``fd_packed_linear``, ``fd_quant_linear``, ``fd_pack_bf16``, ``fd_bf16_linear``,
+    ``fd_decoder_layer``) built for
     ``capabilities``; builds on first use."""
     flags = isa_flags(capabilities)
     folder = cache_dir(flags)
@@ -145,10 +144,10 @@ def prepare_swiglu(capabilities: Collection[str]) -> Callable[..., Any]:
 
 
 class PackedLinear:
-    """Float32 weights packed once into MKL's GEMM layout (``csrc/packed_linear.cc``); block-quantized
-    ones, and float32 ones stored as bfloat16 (``bfloat16=True``), kept as they are and widened inside
-    the matmul (``csrc/quant_linear.cc``); other dtypes go through the portable linear. Same contract
-    as ``fd_kernels.linear.PortableLinear``."""
+    """Float32 weights packed once into MKL's GEMM layout (``csrc/packed_linear.cc``), or rounded to
+    bfloat16 and stored in 16-bit panels with ``bfloat16=True`` (``csrc/bf16_linear.cc``);
+    block-quantized ones kept as they are (``csrc/quant_linear.cc``): both widened inside the matmul.
+    Other dtypes go through the portable linear. Same contract as ``fd_kernels.linear.PortableLinear``."""
 
     name = "mkl_packed"
 
@@ -159,21 +158,21 @@ class PackedLinear:
 
     def prepare(self, weight: Any, *, transposed: bool = False, bfloat16: bool = False) -> Any:
         """The packed weight (a uint8 tensor that must stay where it is) and its output width, or the
-        quantized (or bfloat16) weight's codes, scales and mins as tensors. ``bfloat16`` applies to
-        float32 weights whose input width is a multiple of 32 (the kernel's block); others stay float32."""
+        quantized weight's codes, scales and mins as tensors. ``bfloat16`` applies to float32 weights."""
         if isinstance(weight, BlockQuantized):
             return _Quantized(weight)
         if str(weight.dtype) not in ("paddle.float32", "float32"):
             return PORTABLE_LINEAR.prepare(weight, transposed=transposed)
-        width, inputs = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
-        if bfloat16 and inputs % BLOCK == 0:
-            rows = weight.numpy() if transposed else weight.numpy().T   # [out, in]
-            return _Quantized.bfloat16(bfloat16_codes(rows))
+        width = weight.shape[0] if transposed else weight.shape[1]
+        if bfloat16:
+            return _Bf16(self._ops.fd_pack_bf16(weight, transposed), width)
         return _Packed(self._ops.fd_pack_weight(weight, transposed, self._mkl), width)
 
     def __call__(self, x: Any, prepared: Any, bias: Any = None) -> Any:
         if isinstance(prepared, _Packed):
             out = self._ops.fd_packed_linear(x, prepared.data, prepared.width)
+        elif isinstance(prepared, _Bf16):
+            out = self._ops.fd_bf16_linear(x, prepared.data, prepared.width, self._threads, self._mkl)
         elif isinstance(prepared, _Quantized):
             out = self._ops.fd_quant_linear(x, prepared.codes, prepared.scales, prepared.mins, prepared.bits,
                                             self._threads, self._mkl)
@@ -183,32 +182,42 @@ class PackedLinear:
 
 
 class _Packed:
+    """A float32 weight in MKL's packed layout."""
+
     __slots__ = ("data", "width")
 
     def __init__(self, data: Any, width: int) -> None:
         self.data, self.width = data, width
 
 
+class _Bf16:
+    """A weight in ``fd_pack_bf16``'s bfloat16 panels."""
+
+    __slots__ = ("data", "width")
+    bits = 16   # the fused layer's code for these panels
+
+    def __init__(self, data: Any, width: int) -> None:
+        self.data, self.width = data, width
+
+    def operands(self) -> tuple[Any, Any, Any]:
+        """The fused layer's three tensors of this linear: the panels (twice more: no scales or mins)."""
+        return self.data, self.data, self.data
+
+
 class _Quantized:
-    """``fd_quant_linear``'s operands: a block-quantized weight, or a bfloat16 one (16 bits, no scales)."""
+    """``fd_quant_linear``'s operands: a block-quantized weight's codes, scales and mins."""
 
     __slots__ = ("bits", "codes", "scales", "mins", "width")
 
     def __init__(self, weight: BlockQuantized) -> None:
-        self._set(weight.bits, weight.codes, weight.scales, weight.mins)
-
-    @classmethod
-    def bfloat16(cls, codes: np.ndarray) -> _Quantized:
-        """From ``bfloat16_codes``' ``[out, 2 * in]`` bytes."""
-        prepared = cls.__new__(cls)
-        prepared._set(16, codes, np.zeros(0, np.float32), np.zeros(0, np.float32))
-        return prepared
-
-    def _set(self, bits: int, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> None:
         import paddle
 
-        self.bits, self.width = bits, codes.shape[0]
-        self.codes, self.scales, self.mins = (paddle.to_tensor(a) for a in (codes, scales, mins))
+        self.bits, self.width = weight.bits, weight.shape[0]
+        self.codes, self.scales, self.mins = (paddle.to_tensor(a) for a in (weight.codes, weight.scales, weight.mins))
+
+    def operands(self) -> tuple[Any, Any, Any]:
+        """The fused layer's three tensors of this linear."""
+        return self.codes, self.scales, self.mins
 
 
 class FusedDecoderLayer:
@@ -233,9 +242,9 @@ class FusedDecoderLayer:
 
     def bind(self, linears: Sequence[Any], qkv_bias: Any) -> tuple[list[Any], list[int], list[int]] | None:
         """(weight tensors, bits, widths) for the op, or ``None`` (see ``fd_kernels.decoder_layer``)."""
-        if qkv_bias is not None or not all(isinstance(prepared, _Quantized) for prepared in linears):
+        if qkv_bias is not None or not all(isinstance(prepared, (_Quantized, _Bf16)) for prepared in linears):
             return None
-        tensors = [t for prepared in linears for t in (prepared.codes, prepared.scales, prepared.mins)]
+        tensors = [t for prepared in linears for t in prepared.operands()]
         return tensors, [prepared.bits for prepared in linears], [prepared.width for prepared in linears]
 
     def __call__(self, bound: tuple[list[Any], list[int], list[int]], x: Any, residual: Any, input_norm: Any,

@@ -7,8 +7,7 @@ nibbles of a block's 16 bytes are values 0-15, the high nibbles 16-31); 8-bit co
 Scales and mins are float32, so :meth:`dequantize` equals GGUF's dequantization bit for bit
 (a half-precision scale times a small integer is exact in float32).
 
-:func:`bfloat16_codes` stores a float32 matrix as bfloat16 for the same matmul kernel (16-bit
-"codes" with no scales: a bfloat16 value is the high half of a float32's bits).
+:func:`round_to_bfloat16` gives the values a bfloat16 weight (``linear_weights = "bfloat16"``) holds.
 """
 
 from __future__ import annotations
@@ -122,9 +121,3 @@ def round_to_bfloat16(matrix: np.ndarray) -> np.ndarray:
     rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
     return np.where(np.isnan(matrix), np.float32(np.nan), rounded.view(np.float32)).astype(np.float32)
 
-
-def bfloat16_codes(matrix: np.ndarray) -> np.ndarray:
-    """A float32 ``[rows, cols]`` matrix as bfloat16 (:func:`round_to_bfloat16`): ``[rows, 2 * cols]``
-    bytes, each value's little-endian uint16."""
-    high = round_to_bfloat16(matrix).view(np.uint32) >> np.uint32(16)
-    return np.ascontiguousarray(high.astype("<u2")).view(np.uint8).reshape(matrix.shape[0], -1)

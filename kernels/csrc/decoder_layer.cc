@@ -8,9 +8,9 @@
 // path, so the results are identical; what it saves is Python and Paddle's dispatch, ~20-50 us
 // per op on a small CPU, which at a decode step of one row is a third of the step.
 //
-// Weights (qkv, o, gate_up, down, in that order) are block-quantized (see quant_linear.cc) and
-// come as one list of twelve tensors: codes, scales and mins of each linear, `bits[i]` its code
-// width. The Python side runs steps of fewer than 128 tokens here (see
+// Weights (qkv, o, gate_up, down, in that order) are block-quantized (see quant_linear.cc) or
+// bfloat16 panels (bf16_linear.cc) and come as one list of twelve tensors: codes, scales and mins
+// of each linear, `bits[i]` its code width (16: the panels, then two unused tensors). The Python side runs steps of fewer than 128 tokens here (see
 // fd_kernels.native.FusedDecoderLayer for why): MKL is never called inside this op.
 
 #include <vector>
@@ -34,9 +34,10 @@ std::vector<paddle::Tensor> DecoderLayer(const paddle::Tensor& x, const paddle::
                                          const std::vector<int>& widths, int num_heads, int head_dim, float eps,
                                          bool has_residual, int num_threads) {
   PD_CHECK(bits.size() == kLinears && widths.size() == kLinears && weights.size() == kLinears * kTensorsPerLinear,
-           "fd_decoder_layer: four block-quantized linears (qkv, o, gate_up, down), three tensors each");
+           "fd_decoder_layer: four linears (qkv, o, gate_up, down), three tensors each");
   const auto linear = [&](size_t i, const paddle::Tensor& in) {   // in @ W^T of linear i
     const size_t at = i * kTensorsPerLinear;
+    if (bits[i] == 16) return Bf16Linear(in, weights[at], widths[i], num_threads, /*mkl_path=*/"")[0];
     return QuantLinear(in, weights[at], weights[at + 1], weights[at + 2], bits[i], num_threads, /*mkl_path=*/"")[0];
   };
   const int64_t tokens = x.shape()[0];

@@ -22,3 +22,5 @@ std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x, int num_threads);
 std::vector<paddle::Tensor> QuantLinear(const paddle::Tensor& x, const paddle::Tensor& codes,
                                         const paddle::Tensor& scales, const paddle::Tensor& mins, int bits,
                                         int num_threads, const std::string& mkl_path);
+std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x, const paddle::Tensor& packed, int n, int num_threads,
+                                       const std::string& mkl_path);

@@ -1,5 +1,4 @@
-// Linear layers on weights kept in 4- or 8-bit blocks (GGUF's Q4_0, Q4_1 and Q8_0 tensors), or
-// stored as bfloat16:
+// Linear layers on weights kept in 4- or 8-bit blocks (GGUF's Q4_0, Q4_1 and Q8_0 tensors):
 //
 //   fd_quant_linear(x [..., k] float32, codes [n, k * bits / 8] uint8, scales [n, k / 32] float32,
 //                   mins [n, k / 32] float32, bits, num_threads, mkl_path) -> [..., n] = x @ W^T
@@ -7,14 +6,12 @@
 // W's row j (output feature j) is stored in blocks of 32 values along k; block b of row j is
 // W[j, 32b + i] = scales[j, b] * q_i + mins[j, b], with q_i its codes: for bits = 4, 16 bytes
 // whose low nibbles are q_0..q_15 and high nibbles q_16..q_31 (GGUF's byte layout), for bits = 8,
-// 32 int8 codes. For bits = 16 the codes are W's bfloat16 values (the high halves of its float32
-// values; little-endian uint16) and scales and mins are not read (they may be empty). The kernel
-// widens each block in registers (one fused multiply-add, or one shift, per eight values); since
-// scale * q is exact in float32 (a half-precision scale times a small integer), the widened
-// values equal the loader's float32 dequantization bit for bit. Only the order of the dot
-// products' sums differs from a float32 GEMM's; the inputs stay float32.
+// 32 int8 codes. The kernel widens each block in registers with one fused multiply-add per
+// eight values; since scale * q is exact in float32 (a half-precision scale times a small
+// integer), the widened values equal the loader's float32 dequantization bit for bit. Only the
+// order of the dot products' sums differs from a float32 GEMM's.
 //
-// The weights are read once per tile of up to eight input rows, so a decode step reads 2-8x fewer
+// The weights are read once per tile of up to eight input rows, so a decode step reads 4-8x fewer
 // bytes than with float32 weights; output features are spread over the OpenMP threads. From
 // kGemmRows input rows on (a prefill chunk), where a GEMM's blocking beats re-widening the blocks
 // per tile, the weight is widened once into a reused float32 buffer and multiplied by MKL's
@@ -41,13 +38,6 @@ constexpr int kMaxRows = 8;         // input rows that share one read of a weigh
 constexpr int64_t kFeaturesPerTask = 16;
 constexpr int64_t kGemmRows = 128;  // measured: below this the tiled kernel is as fast or faster
 
-// Block b's scale and min (bfloat16 has neither: its arrays may be empty).
-template <int Bits>
-inline float at(const float* values, int64_t b) {
-  if constexpr (Bits == 16) return 0.0f;
-  else return values[b];
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 
 inline float hsum(__m256 v) {
@@ -60,13 +50,6 @@ inline float hsum(__m256 v) {
 // The 32 values of one block, in order, as four registers of eight.
 template <int Bits>
 inline void widen_block(const uint8_t* codes, float scale, float min, __m256 w[4]) {
-  if constexpr (Bits == 16) {   // bfloat16: its bits are the float32's high half
-    for (int j = 0; j < 4; ++j) {
-      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * j));
-      w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-    }
-    return;
-  }
   const __m256 d = _mm256_set1_ps(scale), m = _mm256_set1_ps(min);
   __m256i q[4];
   if constexpr (Bits == 4) {
@@ -102,7 +85,7 @@ void dot_rows(const float* x, int64_t ldx, const uint8_t* codes, const float* sc
     for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m256 w[4];
-    widen_block<Bits>(codes + b * kBlockBytes, at<Bits>(scales, b), at<Bits>(mins, b), w);
+    widen_block<Bits>(codes + b * kBlockBytes, scales[b], mins[b], w);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * ldx + b * kBlock;
       for (int j = 0; j < 4; ++j) acc[r][j % kAcc] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % kAcc]);
@@ -120,20 +103,7 @@ void dot_rows(const float* x, int64_t ldx, const uint8_t* codes, const float* sc
 template <int Bits>
 inline float code(const uint8_t* codes, int i) {
   if constexpr (Bits == 4) return static_cast<float>(i < 16 ? codes[i] & 0x0F : codes[i - 16] >> 4);
-  if constexpr (Bits == 16) {
-    const uint32_t bits = static_cast<uint32_t>(codes[2 * i] | codes[2 * i + 1] << 8) << 16;
-    float value;
-    std::memcpy(&value, &bits, 4);
-    return value;
-  }
   return static_cast<float>(static_cast<int8_t>(codes[i]));
-}
-
-// A value of a block: its code widened (bfloat16), or scaled and shifted.
-template <int Bits>
-inline float value(const uint8_t* block, int i, const float* scales, const float* mins, int64_t b) {
-  if constexpr (Bits == 16) return code<Bits>(block, i);
-  else return std::fma(code<Bits>(block, i), scales[b], mins[b]);
 }
 
 template <int Bits, int R>
@@ -144,7 +114,7 @@ void dot_rows(const float* x, int64_t ldx, const uint8_t* codes, const float* sc
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = codes + b * kBlockBytes;
     for (int i = 0; i < kBlock; ++i) {
-      const float w = value<Bits>(block, i, scales, mins, b);
+      const float w = std::fma(code<Bits>(block, i), scales[b], mins[b]);
       for (int r = 0; r < R; ++r) acc[r] += w * x[r * ldx + b * kBlock + i];
     }
   }
@@ -160,10 +130,11 @@ void widen_row(const uint8_t* codes, const float* scales, const float* mins, int
   for (int64_t b = 0; b < blocks; ++b) {
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 w[4];
-    widen_block<Bits>(codes + b * kBlockBytes, at<Bits>(scales, b), at<Bits>(mins, b), w);
+    widen_block<Bits>(codes + b * kBlockBytes, scales[b], mins[b], w);
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + b * kBlock + 8 * j, w[j]);
 #else
-    for (int i = 0; i < kBlock; ++i) out[b * kBlock + i] = value<Bits>(codes + b * kBlockBytes, i, scales, mins, b);
+    for (int i = 0; i < kBlock; ++i)
+      out[b * kBlock + i] = std::fma(code<Bits>(codes + b * kBlockBytes, i), scales[b], mins[b]);
 #endif
   }
 }
@@ -174,11 +145,10 @@ void widened_gemm(const float* x, int64_t rows, int64_t k, const uint8_t* codes,
                   const float* mins, int64_t n, float* y, int threads, const std::string& mkl_path) {
   thread_local std::vector<float> widened;
   widened.resize(static_cast<size_t>(n * k));
-  const int64_t blocks = k / kBlock, row_bytes = k * Bits / 8, row_blocks = Bits == 16 ? 0 : blocks;
+  const int64_t blocks = k / kBlock, row_bytes = k * Bits / 8;
   float* w = widened.data();
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t j = 0; j < n; ++j)
-    widen_row<Bits>(codes + j * row_bytes, scales + j * row_blocks, mins + j * row_blocks, blocks, w + j * k);
+  for (int64_t j = 0; j < n; ++j) widen_row<Bits>(codes + j * row_bytes, scales + j * blocks, mins + j * blocks, blocks, w + j * k);
   using namespace mkl_api;
   functions(mkl_path).gemm(kRowMajor, kNoTrans, kTrans, static_cast<int>(rows), static_cast<int>(n),
                            static_cast<int>(k), 1.0f, x, static_cast<int>(k), w, static_cast<int>(k), 0.0f, y,
@@ -189,12 +159,12 @@ void widened_gemm(const float* x, int64_t rows, int64_t k, const uint8_t* codes,
 template <int Bits>
 void features(const float* x, int64_t rows, int64_t k, const uint8_t* codes, const float* scales,
               const float* mins, int64_t first, int64_t last, float* y, int64_t n) {
-  const int64_t blocks = k / kBlock, row_bytes = k * Bits / 8, row_blocks = Bits == 16 ? 0 : blocks;
+  const int64_t blocks = k / kBlock, row_bytes = k * Bits / 8;
   for (int64_t r = 0; r < rows; r += kMaxRows) {
     const int64_t tile = std::min<int64_t>(kMaxRows, rows - r);
     for (int64_t j = first; j < last; ++j) {
       const uint8_t* c = codes + j * row_bytes;
-      const float *s = scales + j * row_blocks, *m = mins + j * row_blocks;
+      const float *s = scales + j * blocks, *m = mins + j * blocks;
       const float* xr = x + r * k;
       float* yr = y + r * n + j;
       switch (tile) {
@@ -237,16 +207,15 @@ std::vector<paddle::Tensor> QuantLinear(const paddle::Tensor& x, const paddle::T
                                         const paddle::Tensor& scales, const paddle::Tensor& mins, int bits,
                                         int num_threads, const std::string& mkl_path) {
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "fd_quant_linear: float32 input");
-  PD_CHECK(bits == 4 || bits == 8 || bits == 16, "fd_quant_linear: bits must be 4, 8 or 16, not ", bits);
+  PD_CHECK(bits == 4 || bits == 8, "fd_quant_linear: bits must be 4 or 8, not ", bits);
   PD_CHECK(codes.dtype() == paddle::DataType::UINT8 && scales.dtype() == paddle::DataType::FLOAT32 &&
                mins.dtype() == paddle::DataType::FLOAT32,
            "fd_quant_linear: uint8 codes, float32 scales and mins");
   auto shape = x.shape();
   const int64_t k = shape.back();
   const int64_t n = codes.shape()[0];
-  const bool blocked = bits != 16;   // bfloat16 has no scales or mins
-  PD_CHECK(k % kBlock == 0 && codes.shape()[1] * 8 == k * bits &&
-               (!blocked || (scales.shape()[0] == n && scales.shape()[1] == k / kBlock && mins.shape() == scales.shape())),
+  PD_CHECK(k % kBlock == 0 && codes.shape()[1] * 8 == k * bits && scales.shape()[0] == n &&
+               scales.shape()[1] == k / kBlock && mins.shape() == scales.shape(),
            "fd_quant_linear: codes [", n, ", ", codes.shape()[1], "], scales and mins must hold ", k,
            "-value rows of ", bits, "-bit blocks of 32");
   const int64_t rows = x.numel() / std::max<int64_t>(k, 1);
@@ -254,10 +223,12 @@ std::vector<paddle::Tensor> QuantLinear(const paddle::Tensor& x, const paddle::T
   auto out = paddle::empty(shape, x.dtype(), x.place());
   if (rows == 0 || n == 0) return {out};
   const int threads = static_cast<int>(std::max<int64_t>(1, num_threads));
-  const float* s = blocked ? scales.data<float>() : nullptr;
-  const float* m = blocked ? mins.data<float>() : nullptr;
-  const auto run = bits == 4 ? quant_linear<4> : bits == 8 ? quant_linear<8> : quant_linear<16>;
-  run(x.data<float>(), rows, k, codes.data<uint8_t>(), s, m, n, out.data<float>(), threads, mkl_path);
+  if (bits == 4)
+    quant_linear<4>(x.data<float>(), rows, k, codes.data<uint8_t>(), scales.data<float>(), mins.data<float>(), n,
+                    out.data<float>(), threads, mkl_path);
+  else
+    quant_linear<8>(x.data<float>(), rows, k, codes.data<uint8_t>(), scales.data<float>(), mins.data<float>(), n,
+                    out.data<float>(), threads, mkl_path);
   return {out};
 }
 

@@ -1,8 +1,8 @@
 """bfloat16 linear weights (``linear_weights = "bfloat16"``): float32 weights rounded to nearest
-even as Paddle's cast rounds them, stored in 16 bits by the C++ linear kernel and widened inside
-its matmul, equal to a float64 matmul of the float32 input and the rounded weight (float32 sums:
-only their order differs), on the tiled path and the MKL path; the portable linear rounds the same
-values and keeps them in float32."""
+even as Paddle's cast rounds them, stored in 16-bit panels by the C++ linear kernel
+(``csrc/bf16_linear.cc``) and widened inside its matmul, equal to a float64 matmul of the float32
+input and the rounded weight (float32 sums: only their order differs), on partial tiles and panels
+and on the MKL path; the portable linear rounds the same values and keeps them in float32."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from fd_kernels import native
 from fd_kernels.linear import PORTABLE_LINEAR
-from fd_kernels.quantized import bfloat16_codes, round_to_bfloat16
+from fd_kernels.quantized import round_to_bfloat16
 from fd_plugins.platforms.cpu import CpuPlatform
 
 
@@ -39,14 +39,25 @@ def test_rounding_is_paddles_cast_to_bfloat16() -> None:
     one = np.float32(1.0).view(np.uint32)
     assert list(round_to_bfloat16(_ties_and_specials()[:4]).view(np.uint32)) == [one, one + 0x20000, one, one + 0x10000]
     assert np.isnan(round_to_bfloat16(np.float32([np.nan]))).all()
-    codes = bfloat16_codes(values.reshape(4, -1))
-    assert codes.dtype == np.uint8 and codes.shape == (4, values.size // 2)
-    widened = (codes.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(-1)
-    np.testing.assert_array_equal(widened, want)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_panels_hold_the_rounded_weight(linear, transposed: bool) -> None:
+    k, n = 37, 40   # a partial last panel, padded with zeros
+    dense = np.random.default_rng(7).standard_normal((k, n)).astype(np.float32)
+    dense[0, :11] = _ties_and_specials()
+    weight = paddle.to_tensor(dense.T.copy() if transposed else dense)
+    packed = linear.prepare(weight, transposed=transposed, bfloat16=True).data.numpy()
+    lanes = next(lanes for lanes in (16, 8) if packed.size == -(-n // lanes) * k * lanes * 2)   # the build's vector width
+    values = (packed.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    padded = np.zeros((k, -(-n // lanes) * lanes), np.float32)
+    padded[:, :n] = round_to_bfloat16(dense)
+    want = padded.reshape(k, -1, lanes).transpose(1, 0, 2).reshape(-1)   # [panel, k, lane]
+    np.testing.assert_array_equal(values, want)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 64, 100, 150])   # partial tiles, row tasks, 128+: MKL
-@pytest.mark.parametrize(("k", "n"), [(64, 37), (576, 160)])
+@pytest.mark.parametrize(("k", "n"), [(37, 40), (576, 160)])
 def test_the_matmul_equals_float64_over_the_rounded_weight(linear, rows: int, k: int, n: int) -> None:
     rng = np.random.default_rng(rows * k + n)
     dense = rng.standard_normal((k, n)).astype(np.float32)   # [in, out]
@@ -54,7 +65,6 @@ def test_the_matmul_equals_float64_over_the_rounded_weight(linear, rows: int, k:
     x[0, :4] = [1e-30, -1e30, 0.0, 65504.0]
     bias = rng.standard_normal(n).astype(np.float32)
     prepared = linear.prepare(paddle.to_tensor(dense), bfloat16=True)
-    assert prepared.bits == 16 and prepared.codes.shape == [n, 2 * k]
     got = linear(paddle.to_tensor(x), prepared, paddle.to_tensor(bias)).numpy()
     rounded = round_to_bfloat16(dense).astype(np.float64)
     want = x.astype(np.float64) @ rounded + bias
@@ -76,10 +86,3 @@ def test_a_tied_head_is_stored_from_the_embedding_rows(linear) -> None:
     want = x.astype(np.float64) @ round_to_bfloat16(embedding).astype(np.float64).T
     np.testing.assert_allclose(linear(paddle.to_tensor(x), prepared).numpy(), want, rtol=1e-5, atol=1e-5)
 
-
-def test_an_input_width_off_the_block_stays_float32(linear) -> None:
-    dense = np.random.default_rng(4).standard_normal((40, 16)).astype(np.float32)   # 40 inputs: not 32k
-    x = np.random.default_rng(5).standard_normal((3, 40)).astype(np.float32)
-    prepared = linear.prepare(paddle.to_tensor(dense), bfloat16=True)
-    assert not hasattr(prepared, "bits")
-    np.testing.assert_allclose(linear(paddle.to_tensor(x), prepared).numpy(), x @ dense, rtol=1e-5, atol=1e-5)

@@ -188,7 +188,7 @@ def test_bfloat16_linear_weights_halve_the_weights_and_drain_back_to_free(make_l
     model, arch = llm.engine.runner.model, llm.engine.runner.arch
     qkv_width = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
     assert model.layers[0].qkv.bits == 16 and model.lm_head.bits == 16
-    assert model.layers[0].qkv.codes.shape == [qkv_width, 2 * arch.hidden_size]   # 2 bytes a value
+    assert model.layers[0].qkv.data.numel() == 2 * qkv_width * arch.hidden_size   # 2 bytes a value
     prompts = [[5, 6, 7, 8] * 10, [9, 10, 11], list(range(40, 140))] * 2
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
