@@ -70,13 +70,22 @@ def instrument(llm: Any, timers: Timers) -> None:
         __call__ = staticmethod(timers.wrap(lambda x, prepared, *rest: f"linear {names.get(id(prepared), '?')}",
                                             linear.__call__))
 
+    layer_op = chosen["decoder_layer"]
+
+    class TimedDecoderLayer:   # the fused layer keeps its binding and step limit, its calls timed
+        bind = staticmethod(layer_op.fn.bind)
+        max_tokens = layer_op.fn.max_tokens
+        if callable(layer_op.fn):   # "composed" is never called
+            __call__ = staticmethod(timers.wrap(f"decoder_layer ({layer_op.name})", layer_op.fn.__call__))
+
     class TimedFunctional:
         embedding = staticmethod(timers.wrap("embedding", F.embedding))
 
     llama.F = TimedFunctional
     timed = {op: dataclasses.replace(v, fn=timers.wrap(f"{op} ({v.name})", v.fn))
-             for op, v in chosen.items() if op not in ("rope_write_kv", "linear")}
+             for op, v in chosen.items() if op not in ("rope_write_kv", "linear", "decoder_layer")}
     timed["linear"] = dataclasses.replace(chosen["linear"], fn=TimedLinear())
+    timed["decoder_layer"] = dataclasses.replace(layer_op, fn=TimedDecoderLayer())
     # rope_write_kv is a per-step factory: time the per-layer function it returns
     factory = chosen["rope_write_kv"].fn
     timed["rope_write_kv"] = dataclasses.replace(
@@ -103,7 +112,9 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
         core.add_request(Request(f"r{i}", [(7 * i + 13 * t) % (vocab - 3) + 3 for t in range(prompt_len)],
                                  sampling_params=params))
     while core.stats().num_prompt_tokens < rows * prompt_len:   # every prompt computed
-        core.step()
+        failed = [o.error for o in core.step() if o.error]
+        if failed:
+            raise RuntimeError(f"a request failed: {failed[0]}")
     core.step()                      # one untimed decode step
     timers.on = True
     begin = time.perf_counter()
