@@ -147,8 +147,10 @@ def test_a_killed_decode_instance_fails_its_clients_and_frees_the_prefill_side(t
         for status, events in answers:
             if status == 200:   # streaming already: an error event naming the backend, then [DONE]
                 assert events[-1] == "[DONE]" and '"error"' in events[-2] and decode.url in events[-2], events[-3:]
-            else:               # killed before its stream began: a 502 naming the backend
-                assert status == 502 and decode.url in events[0], (status, events)
+            elif status == 502:  # it had the request but died before the stream began
+                assert decode.url in events[0], events
+            else:               # it reached the router only after the kill: 503 no_backend, naming it as down
+                assert status == 503 and '"no_backend"' in events[0] and decode.url in events[0], (status, events)
         wait_blocks_free(prefill, timeout=20)   # stall_timeout_s (2 s) after the decode side went silent
         assert metric(metrics(prefill.url), "fd_splitwise_jobs_open") == 0
     finally:
