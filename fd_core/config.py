@@ -66,6 +66,12 @@ class ModelSection(_Section):
             "so a decode step reads half the bytes; inputs and sums stay float32, and outputs are close to, "
             "not identical with, float32's. Weights kept in GGUF blocks stay in their blocks; the portable "
             "kernels round the values but keep them in float32."))
+    linear_inputs: Literal["float32", "bfloat16"] = Field(
+        "float32", description=(
+            "With `linear_weights = \"bfloat16\"`: `bfloat16` rounds each projection's and the head's input "
+            "to bfloat16 as well, so the matmul multiplies bfloat16 pairs (sums stay float32): on AMX tiles "
+            "where the CPU declares `amx_bf16` (several times the float32 rate), elsewhere the same rounded "
+            "values multiplied in float32. Outputs drift further from float32's than with rounded weights alone."))
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt + output; defaults to min(model limit, 2048).")
     seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")
@@ -75,6 +81,14 @@ class ModelSection(_Section):
     def _bfloat16_rounds_float32(cls, value: str, info: ValidationInfo) -> str:
         if value == "bfloat16" and info.data.get("dtype", "float32") != "float32":
             raise ValueError(f"'bfloat16' rounds a float32 model's weights; model.dtype is {info.data['dtype']!r}")
+        return value
+
+    @field_validator("linear_inputs")
+    @classmethod
+    def _bfloat16_inputs_meet_bfloat16_weights(cls, value: str, info: ValidationInfo) -> str:
+        if value == "bfloat16" and info.data.get("linear_weights") != "bfloat16":
+            raise ValueError("'bfloat16' inputs are multiplied with bfloat16 weights: set "
+                             "model.linear_weights = \"bfloat16\" too")
         return value
 
 

@@ -7,7 +7,9 @@ take Paddle-layout weights ``[in, out]``, or ``[out, in]`` with ``transposed=Tru
 the embedding), or a :class:`~fd_kernels.quantized.BlockQuantized` ``[out, in]``, and return
 ``x @ weight (+ bias)``. ``prepare(..., bfloat16=True)`` rounds a float32 weight to bfloat16:
 the C++ variant stores it in 16 bits and widens it inside the matmul (half the bytes a decode
-step reads), the portable one keeps the rounded values in float32; inputs and sums stay float32.
+step reads), the portable one keeps the rounded values in float32; inputs and sums stay float32,
+unless ``bfloat16_inputs=True`` rounds each input to bfloat16 too (the C++ variant then
+multiplies on AMX tiles where the CPU has them).
 """
 
 from __future__ import annotations
@@ -26,17 +28,21 @@ class PortableLinear:
 
     name = "portable"
 
-    def prepare(self, weight: paddle.Tensor, *, transposed: bool = False, bfloat16: bool = False) -> Any:
+    def prepare(self, weight: paddle.Tensor, *, transposed: bool = False, bfloat16: bool = False,
+                bfloat16_inputs: bool = False) -> Any:
         """What :meth:`__call__` takes for ``weight`` (here: the weight itself; with ``bfloat16``, a
-        float32 weight rounded to bfloat16 values, still stored as float32)."""
+        float32 weight rounded to bfloat16 values, still stored as float32, and with
+        ``bfloat16_inputs`` each input rounded the same way before the matmul)."""
         if isinstance(weight, BlockQuantized):
-            return (paddle.to_tensor(weight.dequantize()), True)
+            return (paddle.to_tensor(weight.dequantize()), True, False)
         if bfloat16 and weight.dtype == paddle.float32:
-            return (paddle.to_tensor(round_to_bfloat16(weight.numpy())), transposed)
-        return (weight, transposed)
+            return (paddle.to_tensor(round_to_bfloat16(weight.numpy())), transposed, bfloat16_inputs)
+        return (weight, transposed, False)
 
     def __call__(self, x: paddle.Tensor, prepared: Any, bias: paddle.Tensor | None = None) -> paddle.Tensor:
-        weight, transposed = prepared
+        weight, transposed, round_inputs = prepared
+        if round_inputs:   # Paddle's cast rounds to nearest even, as round_to_bfloat16 does
+            x = x.astype(paddle.bfloat16).astype(paddle.float32)
         if transposed:
             out = paddle.matmul(x, weight, transpose_y=True)
             return out if bias is None else out + bias

@@ -52,7 +52,10 @@ def isa_flags(capabilities: Collection[str]) -> tuple[str, ...]:
     """Compiler flags for the declared ISA features (baseline x86-64 when none)."""
     declared = set(capabilities)
     if {"avx512f", "avx2", "fma"} <= declared:   # only F: the probe does not declare dq/bw/vl
-        return ("-mavx2", "-mfma", "-mavx512f")
+        avx512 = ("-mavx2", "-mfma", "-mavx512f")
+        if "amx_bf16" in declared:   # the tiles of bf16_linear.cc (amx_bf16 implies amx_tile)
+            return (*avx512, "-mamx-tile", "-mamx-bf16")
+        return avx512
     if {"avx2", "fma"} <= declared:
         return ("-mavx2", "-mfma")
     return ()
@@ -156,23 +159,26 @@ class PackedLinear:
         self._mkl = str(mkl)
         self._threads = _threads()
 
-    def prepare(self, weight: Any, *, transposed: bool = False, bfloat16: bool = False) -> Any:
+    def prepare(self, weight: Any, *, transposed: bool = False, bfloat16: bool = False,
+                bfloat16_inputs: bool = False) -> Any:
         """The packed weight (a uint8 tensor that must stay where it is) and its output width, or the
-        quantized weight's codes, scales and mins as tensors. ``bfloat16`` applies to float32 weights."""
+        quantized weight's codes, scales and mins as tensors. ``bfloat16`` applies to float32 weights;
+        ``bfloat16_inputs`` (with ``bfloat16``) rounds each input as well: AMX tiles where built in."""
         if isinstance(weight, BlockQuantized):
             return _Quantized(weight)
         if str(weight.dtype) not in ("paddle.float32", "float32"):
             return PORTABLE_LINEAR.prepare(weight, transposed=transposed)
         width = weight.shape[0] if transposed else weight.shape[1]
         if bfloat16:
-            return _Bf16(self._ops.fd_pack_bf16(weight, transposed), width)
+            return _Bf16(self._ops.fd_pack_bf16(weight, transposed), width, bfloat16_inputs)
         return _Packed(self._ops.fd_pack_weight(weight, transposed, self._mkl), width)
 
     def __call__(self, x: Any, prepared: Any, bias: Any = None) -> Any:
         if isinstance(prepared, _Packed):
             out = self._ops.fd_packed_linear(x, prepared.data, prepared.width)
         elif isinstance(prepared, _Bf16):
-            out = self._ops.fd_bf16_linear(x, prepared.data, prepared.width, self._threads, self._mkl)
+            out = self._ops.fd_bf16_linear(x, prepared.data, prepared.width, self._threads, self._mkl,
+                                           prepared.round_inputs)
         elif isinstance(prepared, _Quantized):
             out = self._ops.fd_quant_linear(x, prepared.codes, prepared.scales, prepared.mins, prepared.bits,
                                             self._threads, self._mkl)
@@ -191,13 +197,13 @@ class _Packed:
 
 
 class _Bf16:
-    """A weight in ``fd_pack_bf16``'s bfloat16 panels."""
+    """A weight in ``fd_pack_bf16``'s bfloat16 panels (``round_inputs``: its inputs rounded too)."""
 
-    __slots__ = ("data", "width")
+    __slots__ = ("data", "width", "round_inputs")
     bits = 16   # the fused layer's code for these panels
 
-    def __init__(self, data: Any, width: int) -> None:
-        self.data, self.width = data, width
+    def __init__(self, data: Any, width: int, round_inputs: bool) -> None:
+        self.data, self.width, self.round_inputs = data, width, round_inputs
 
     def operands(self) -> tuple[Any, Any, Any]:
         """The fused layer's three tensors of this linear: the panels (twice more: no scales or mins)."""
@@ -240,22 +246,25 @@ class FusedDecoderLayer:
         self._op = ops.fd_decoder_layer
         self._threads = _threads()
 
-    def bind(self, linears: Sequence[Any], qkv_bias: Any) -> tuple[list[Any], list[int], list[int]] | None:
-        """(weight tensors, bits, widths) for the op, or ``None`` (see ``fd_kernels.decoder_layer``)."""
+    def bind(self, linears: Sequence[Any], qkv_bias: Any) -> tuple[list[Any], list[int], list[int], bool] | None:
+        """(weight tensors, bits, widths, round_inputs) for the op, or ``None`` (see
+        ``fd_kernels.decoder_layer``)."""
         if qkv_bias is not None or not all(isinstance(prepared, (_Quantized, _Bf16)) for prepared in linears):
             return None
         tensors = [t for prepared in linears for t in prepared.operands()]
-        return tensors, [prepared.bits for prepared in linears], [prepared.width for prepared in linears]
+        round_inputs = any(isinstance(prepared, _Bf16) and prepared.round_inputs for prepared in linears)
+        return tensors, [prepared.bits for prepared in linears], [prepared.width for prepared in linears], round_inputs
 
-    def __call__(self, bound: tuple[list[Any], list[int], list[int]], x: Any, residual: Any, input_norm: Any,
+    def __call__(self, bound: tuple[list[Any], list[int], list[int], bool], x: Any, residual: Any, input_norm: Any,
                  post_norm: Any, k_cache: Any, v_cache: Any, attn: Any, cos: Any, sin: Any, num_heads: int,
                  head_dim: int, eps: float) -> tuple[Any, Any]:
         """``(out, residual stream)`` of the layer, its K/V written into the caches."""
-        tensors, bits, widths = bound
+        tensors, bits, widths, round_inputs = bound
         out, summed = self._op(x, x if residual is None else residual, input_norm, post_norm,
                                      attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor,
                                      attn.row_tables, attn.row_starts, attn.row_lens, tensors, bits, widths,
-                                     num_heads, head_dim, eps, residual is not None, self._threads)[:2]
+                                     num_heads, head_dim, eps, residual is not None, round_inputs,
+                                     self._threads)[:2]
         return out, summed
 
 

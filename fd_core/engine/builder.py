@@ -97,7 +97,8 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     runner = ModelRunner(arch, loaded.weights, num_blocks=kv.num_blocks, block_size=config.cache.block_size,
                          dtype=config.model.dtype, kv_dtype=kv_cache_dtype(config), device=platform.device_string(),
                          sampler=Sampler(seed=config.model.seed), num_threads=platform.num_threads(),
-                         kernels=kernels, linear_weights=config.model.linear_weights)
+                         kernels=kernels, linear_weights=config.model.linear_weights,
+                         linear_inputs=config.model.linear_inputs)
     report(f"warm-up forward pass (kernels: {kernels.describe()})")
     warm_up_s = runner.warm_up()
     log.info("warm-up: a %d-token prefill and a decode step took %.2f s", WARMUP_PROMPT_TOKENS, warm_up_s)

@@ -11,7 +11,8 @@ without one the model uses the portable kernels. Matrices may come block-quantiz
 (:class:`~fd_kernels.quantized.BlockQuantized`, from a GGUF): the linear kernel then keeps them
 in their blocks (a float32 model) and the embedding lookup reads a float32 copy. With
 ``linear_weights="bfloat16"`` the other float32 matrices (projections and head) are rounded to
-bfloat16, which the C++ linear kernel stores in 16 bits (inputs and sums stay float32).
+bfloat16, which the C++ linear kernel stores in 16 bits (inputs and sums stay float32; with
+``linear_inputs="bfloat16"`` the inputs are rounded too, multiplied on AMX tiles where the CPU has them).
 """
 
 from __future__ import annotations
@@ -77,12 +78,15 @@ class LlamaForCausalLM:
 
     def __init__(self, arch: LlamaArchConfig, weights: Mapping[str, np.ndarray | BlockQuantized], *,
                  dtype: str = "float32", kernels: KernelSet = PORTABLE_KERNELS,
-                 linear_weights: str = "float32") -> None:
+                 linear_weights: str = "float32", linear_inputs: str = "float32") -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if linear_weights not in LINEAR_WEIGHTS:
             raise ValueError(f"linear_weights {linear_weights!r} is not supported; use one of {LINEAR_WEIGHTS}")
-        bfloat16 = linear_weights == "bfloat16"
+        if linear_inputs not in LINEAR_WEIGHTS or (linear_inputs == "bfloat16" and linear_weights != "bfloat16"):
+            raise ValueError(f"linear_inputs {linear_inputs!r} needs linear_weights 'bfloat16' "
+                             f"(and one of {LINEAR_WEIGHTS})")
+        rounding = {"bfloat16": linear_weights == "bfloat16", "bfloat16_inputs": linear_inputs == "bfloat16"}
         expected = expected_weight_shapes(arch)
         missing = [name for name in expected if name not in weights]
         if missing:
@@ -111,7 +115,7 @@ class LlamaForCausalLM:
             if keeps_blocks(*blocks):
                 return kernels.linear.prepare(stack_rows(list(blocks)))
             dense = [b.dequantize() if isinstance(b, BlockQuantized) else b for b in blocks]
-            return kernels.linear.prepare(tensor(np.concatenate(dense, axis=0).T), bfloat16=bfloat16)  # [in, sum(out)]
+            return kernels.linear.prepare(tensor(np.concatenate(dense, axis=0).T), **rounding)  # [in, sum(out)]
 
         def scaled(weight: np.ndarray | BlockQuantized, factor: float) -> np.ndarray | BlockQuantized:
             return weight.scaled(factor) if isinstance(weight, BlockQuantized) else weight * factor
@@ -141,7 +145,7 @@ class LlamaForCausalLM:
             self.lm_head = kernels.linear.prepare(head)
         else:
             self.lm_head = kernels.linear.prepare(self.embed_tokens if arch.tie_word_embeddings else tensor(head),
-                                                  transposed=True, bfloat16=bfloat16)
+                                                  transposed=True, **rounding)
         cos, sin = _rope_tables(arch)
         self.rope_cos = tensor(cos)
         self.rope_sin = tensor(sin)

@@ -1,22 +1,30 @@
 // Linear layers on float32 weights stored as bfloat16 (half the bytes a decode step reads):
 //
 //   fd_pack_bf16(weight [k, n] float32, transposed=false) -> packed (uint8: the bytes of
-//       uint16 [panels, k, kLanes]): B = weight (or weight^T for a [n, k] weight: a tied head)
-//       rounded to bfloat16 (nearest even), in panels of kLanes output features (the vector
-//       width this library was built for); the last panel is padded with zeros;
-//   fd_bf16_linear(x [..., k] float32, packed, n, num_threads, mkl_path) -> [..., n] = x @ B
+//       uint16 [panels, kp / 2, kLanes, 2]): B = weight (or weight^T for a [n, k] weight: a tied
+//       head) rounded to bfloat16 (nearest even), in panels of kLanes output features (the vector
+//       width this library was built for), each panel's rows in pairs (k = 2j and 2j + 1 side by
+//       side per feature: AMX's layout); k is padded with zeros to kp (a multiple of kKStep: 32
+//       where AMX is built in, else 2), the last panel's features with zeros to kLanes;
+//   fd_bf16_linear(x [..., k] float32, packed, n, num_threads, mkl_path, round_inputs)
+//       -> [..., n] = x @ B, or round(x) @ B with round_inputs (x rounded to bfloat16 as well).
 //
-// A bfloat16 value is the high half of a float32's bits, so widening is one shift per vector,
-// and the widened weights are exactly the rounded values: inputs and sums stay float32, and the
-// result equals a float32 GEMM of the rounded weight up to the order of the sums. The product is
-// computed in tiles of kTileRows rows by kTilePanels panels (every tile's sums over k in the same
-// order whatever the thread count), work split over OpenMP threads by groups of panels and
-// chunks of rows. From kGemmRows rows on (a prefill chunk: compute-bound) the weight is widened
-// once into a float32 buffer this thread keeps, and multiplied by MKL's sgemm (mkl_path:
-// Paddle's libmklml_intel.so; empty: never).
+// A bfloat16 value is the high half of a float32's bits, so widening is a shift (or a mask, for
+// the odd row of a pair), and the widened weights are exactly the rounded values: sums stay
+// float32, and the result equals a float32 GEMM of the rounded weight up to the order of the
+// sums. The product is computed in tiles of kTileRows rows by kTilePanels panels (every tile's
+// sums over k in the same order whatever the thread count), work split over OpenMP threads by
+// groups of panels and chunks of rows. From kGemmRows rows on (a prefill chunk: compute-bound) the
+// weight is widened once into a float32 buffer this thread keeps, and multiplied by MKL's sgemm
+// (mkl_path: Paddle's libmklml_intel.so; empty: never).
+//
+// round_inputs on a CPU with AMX (built with -mamx-bf16, and the kernel granted this process the
+// tile registers): the rounded rows and the panels go straight into AMX tiles (tdpbf16ps:
+// bfloat16 pairs, float32 sums), ~7x the float32 FMA's rate on one core. Elsewhere the rounded
+// rows go through the float32 path above: the same products, summed in another order.
 //
 // Measured on an Intel Xeon (Emerald Rapids, no AMX): vdpbf16ps (bfloat16 products) ran at half
-// the float32 FMA's rate there, so this kernel widens to float32 instead of multiplying in bfloat16.
+// the float32 FMA's rate there, so the float32-input path widens to float32 instead.
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +35,10 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "mkl_api.h"
@@ -45,9 +57,11 @@ using Vec = __m512;
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec splat(float v) { return _mm512_set1_ps(v); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec widen(const uint16_t* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+// The two rows of a pair: the low halves (row 2j) shifted up, the high halves (row 2j + 1) masked.
+inline void widen_pair(const uint16_t* p, Vec& even, Vec& odd) {
+  const __m512i both = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 inline void store(float* y, Vec v) { _mm512_storeu_ps(y, v); }
 
@@ -58,9 +72,10 @@ using Vec = __m256;
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec splat(float v) { return _mm256_set1_ps(v); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec widen(const uint16_t* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+inline void widen_pair(const uint16_t* p, Vec& even, Vec& odd) {
+  const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(both, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 inline void store(float* y, Vec v) { _mm256_storeu_ps(y, v); }
 
@@ -80,16 +95,21 @@ inline Vec fma(Vec a, Vec b, Vec c) {
   for (int i = 0; i < kLanes; ++i) c.lane[i] = std::fma(a.lane[i], b.lane[i], c.lane[i]);
   return c;
 }
-inline Vec widen(const uint16_t* p) {
-  Vec out;
+inline void widen_pair(const uint16_t* p, Vec& even, Vec& odd) {
   for (int i = 0; i < kLanes; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-    std::memcpy(&out.lane[i], &bits, 4);
+    const uint32_t low = static_cast<uint32_t>(p[2 * i]) << 16, high = static_cast<uint32_t>(p[2 * i + 1]) << 16;
+    std::memcpy(&even.lane[i], &low, 4);
+    std::memcpy(&odd.lane[i], &high, 4);
   }
-  return out;
 }
 inline void store(float* y, Vec v) { std::memcpy(y, v.lane, sizeof v.lane); }
 
+#endif
+
+#if defined(__AMX_BF16__)
+constexpr int64_t kKStep = 32;   // one AMX tile row: 32 bfloat16 values of k
+#else
+constexpr int64_t kKStep = 2;
 #endif
 
 // Round to bfloat16, nearest even (NaN: the quiet NaN).
@@ -100,7 +120,15 @@ inline uint16_t to_bf16(float value) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+inline float from_bf16(uint16_t half) {
+  const uint32_t bits = static_cast<uint32_t>(half) << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
 int64_t panels_of(int64_t n) { return (n + kLanes - 1) / kLanes; }
+int64_t padded_k(int64_t k) { return (k + kKStep - 1) / kKStep * kKStep; }
 
 // y[r, f] for R rows and P panels: x rows `ldx` apart, panels `panel_stride` values apart; the
 // last panel writes `last` features (fewer at the end of n).
@@ -110,12 +138,17 @@ void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, 
   Vec acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = zero();
-  for (int64_t i = 0; i < k; ++i) {
-    Vec b[P];
-    for (int p = 0; p < P; ++p) b[p] = widen(w + p * panel_stride + i * kLanes);
+  for (int64_t i = 0; i < k; i += 2) {   // a pair of rows of k per step (the second may be padding)
+    Vec even[P], odd[P];
+    for (int p = 0; p < P; ++p) widen_pair(w + p * panel_stride + i * kLanes, even[p], odd[p]);
+    const bool pair = i + 1 < k;
     for (int r = 0; r < R; ++r) {
       const Vec a = splat(x[r * ldx + i]);
-      for (int p = 0; p < P; ++p) acc[r][p] = fma(a, b[p], acc[r][p]);
+      for (int p = 0; p < P; ++p) acc[r][p] = fma(a, even[p], acc[r][p]);
+      if (pair) {
+        const Vec b = splat(x[r * ldx + i + 1]);
+        for (int p = 0; p < P; ++p) acc[r][p] = fma(b, odd[p], acc[r][p]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -146,7 +179,7 @@ TileFn tile_fn(int rows, int panels) {
 }
 
 void tiled(const float* x, int64_t rows, int64_t k, const uint16_t* packed, int64_t n, float* y, int threads) {
-  const int64_t panels = panels_of(n), panel_stride = k * kLanes;
+  const int64_t panels = panels_of(n), panel_stride = padded_k(k) * kLanes;
   const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
   const int64_t row_tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
   const int tail = static_cast<int>(n - (panels - 1) * kLanes);
@@ -171,18 +204,149 @@ void widened_gemm(const float* x, int64_t rows, int64_t k, const uint16_t* packe
   thread_local std::vector<float> widened;
   widened.resize(static_cast<size_t>(k * n));
   float* w = widened.data();
-  const int64_t panels = panels_of(n);
+  const int64_t panels = panels_of(n), panel_stride = padded_k(k) * kLanes;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < k; ++i) {
-    for (int64_t p = 0; p + 1 < panels; ++p) store(w + i * n + p * kLanes, widen(packed + (p * k + i) * kLanes));
-    float last[kLanes];   // the last panel's features that exist
-    store(last, widen(packed + ((panels - 1) * k + i) * kLanes));
-    std::memcpy(w + i * n + (panels - 1) * kLanes, last, sizeof(float) * (n - (panels - 1) * kLanes));
+  for (int64_t i = 0; i < k; i += 2) {
+    for (int64_t p = 0; p < panels; ++p) {
+      float pair[2][kLanes];
+      Vec even, odd;
+      widen_pair(packed + p * panel_stride + i * kLanes, even, odd);
+      store(pair[0], even);
+      store(pair[1], odd);
+      const int64_t features = std::min<int64_t>(kLanes, n - p * kLanes);
+      for (int64_t row = i; row < std::min(i + 2, k); ++row)
+        std::memcpy(w + row * n + p * kLanes, pair[row - i], sizeof(float) * features);
+    }
   }
   using namespace mkl_api;
   functions(mkl_path).gemm(kRowMajor, kNoTrans, kNoTrans, static_cast<int>(rows), static_cast<int>(n),
                            static_cast<int>(k), 1.0f, x, static_cast<int>(k), w, static_cast<int>(n), 0.0f, y,
                            static_cast<int>(n));
+}
+
+#if defined(__AMX_BF16__)
+
+// Linux hands a process the AMX tile registers only when asked (arch_prctl), once.
+bool amx_granted() {
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;   // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return granted;
+}
+
+// Tiles 0-3: float32 sums [rows x 16], 4-5: input rows [rows x 32 bfloat16], 6-7: panels
+// [16 pairs x 16 features] (palette 1: 16 rows of 64 bytes at most).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = t < 6 ? rows : 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Sums tile `id` into y (ldy floats apart) when it is whole, else through a scratch tile.
+#define FD_STORE_TILE(id, y, ldy, valid_rows, valid_cols, tile_rows)                                  \
+  do {                                                                                                \
+    if ((valid_rows) == (tile_rows) && (valid_cols) == 16) {                                          \
+      _tile_stored(id, y, (ldy) * 4);                                                                 \
+    } else {                                                                                          \
+      alignas(64) float scratch[16 * 16];                                                             \
+      _tile_stored(id, scratch, 64);                                                                  \
+      for (int r = 0; r < (valid_rows); ++r) std::memcpy((y) + r * (ldy), scratch + r * 16, 4 * (valid_cols)); \
+    }                                                                                                 \
+  } while (0)
+
+// One block of 1-2 row tiles by 1-2 panels over the whole of k: `a` the rounded rows (kp apart),
+// `w` the first panel; `rows[b]`/`cols[p]` how many of the block's rows and features exist.
+template <int RowTiles, int PanelTiles>
+void amx_block(const uint16_t* a, int64_t kp, int tile_rows, const uint16_t* w, int64_t panel_stride, float* y,
+               int64_t ldy, const int rows[2], const int cols[2]) {
+  _tile_zero(0);
+  if constexpr (PanelTiles > 1) _tile_zero(1);
+  if constexpr (RowTiles > 1) _tile_zero(2);
+  if constexpr (RowTiles > 1 && PanelTiles > 1) _tile_zero(3);
+  const uint16_t* a1 = a + tile_rows * kp;
+  for (int64_t i = 0; i < kp; i += kKStep) {
+    _tile_loadd(4, a + i, kp * 2);
+    _tile_loadd(6, w + i * kLanes, 64);
+    if constexpr (PanelTiles > 1) _tile_loadd(7, w + panel_stride + i * kLanes, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (PanelTiles > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RowTiles > 1) {
+      _tile_loadd(5, a1 + i, kp * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (PanelTiles > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  FD_STORE_TILE(0, y, ldy, rows[0], cols[0], tile_rows);
+  if constexpr (PanelTiles > 1) FD_STORE_TILE(1, y + 16, ldy, rows[0], cols[1], tile_rows);
+  if constexpr (RowTiles > 1) FD_STORE_TILE(2, y + tile_rows * ldy, ldy, rows[1], cols[0], tile_rows);
+  if constexpr (RowTiles > 1 && PanelTiles > 1)
+    FD_STORE_TILE(3, y + tile_rows * ldy + 16, ldy, rows[1], cols[1], tile_rows);
+}
+
+#undef FD_STORE_TILE
+
+// y = round(x) @ B on AMX tiles: x rounded into a [rows (padded to whole tiles), kp] bfloat16
+// buffer this thread keeps, then blocks of two row tiles by two panels per OpenMP task.
+void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed, int64_t n, float* y, int threads) {
+  const int64_t kp = padded_k(k), panels = panels_of(n), panel_stride = kp * kLanes;
+  const int tile_rows = static_cast<int>(std::min<int64_t>(rows, 16));
+  const int64_t row_tiles = (rows + tile_rows - 1) / tile_rows;
+  thread_local std::vector<uint16_t> rounded;
+  rounded.resize(static_cast<size_t>(row_tiles * tile_rows * kp));
+  uint16_t* a = rounded.data();
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < row_tiles * tile_rows; ++r) {
+      uint16_t* row = a + r * kp;
+      if (r < rows) {
+        for (int64_t i = 0; i < k; ++i) row[i] = to_bf16(x[r * k + i]);
+        std::fill(row + k, row + kp, 0);
+      } else {
+        std::fill(row, row + kp, 0);
+      }
+    }
+    configure_tiles(tile_rows);
+    const int64_t row_blocks = (row_tiles + 1) / 2, panel_blocks = (panels + 1) / 2;
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t rb = 0; rb < row_blocks; ++rb)
+      for (int64_t pb = 0; pb < panel_blocks; ++pb) {
+        const int64_t r0 = rb * 2 * tile_rows, p0 = pb * 2;
+        const int block_rows[2] = {static_cast<int>(std::clamp<int64_t>(rows - r0, 0, tile_rows)),
+                                   static_cast<int>(std::clamp<int64_t>(rows - r0 - tile_rows, 0, tile_rows))};
+        const int block_cols[2] = {static_cast<int>(std::clamp<int64_t>(n - p0 * kLanes, 0, kLanes)),
+                                   static_cast<int>(std::clamp<int64_t>(n - (p0 + 1) * kLanes, 0, kLanes))};
+        const bool two_rows = rb * 2 + 1 < row_tiles, two_panels = p0 + 1 < panels;
+        const uint16_t* rows_at = a + r0 * kp;
+        const uint16_t* w = packed + p0 * panel_stride;
+        float* out = y + r0 * n + p0 * kLanes;
+        if (two_rows && two_panels) amx_block<2, 2>(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols);
+        else if (two_rows) amx_block<2, 1>(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols);
+        else if (two_panels) amx_block<1, 2>(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols);
+        else amx_block<1, 1>(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols);
+      }
+    _tile_release();
+  }
+}
+
+#endif  // __AMX_BF16__
+
+// x rounded to bfloat16 values (kept as float32) in a buffer this thread keeps.
+const float* rounded_copy(const float* x, int64_t count, int threads) {
+  thread_local std::vector<float> rounded;
+  rounded.resize(static_cast<size_t>(count));
+  float* out = rounded.data();
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < count; ++i) out[i] = from_bf16(to_bf16(x[i]));
+  return out;
 }
 
 }  // namespace
@@ -191,26 +355,28 @@ std::vector<paddle::Tensor> PackBf16(const paddle::Tensor& weight, bool transpos
   PD_CHECK(weight.dtype() == paddle::DataType::FLOAT32 && weight.shape().size() == 2,
            "fd_pack_bf16: a 2-D float32 weight");
   const int64_t rows = weight.shape()[0], cols = weight.shape()[1];
-  const int64_t k = transposed ? cols : rows, n = transposed ? rows : cols, panels = panels_of(n);
-  auto packed = paddle::empty({panels * k * kLanes * 2}, paddle::DataType::UINT8, weight.place());
+  const int64_t k = transposed ? cols : rows, n = transposed ? rows : cols, panels = panels_of(n), kp = padded_k(k);
+  auto packed = paddle::empty({panels * kp * kLanes * 2}, paddle::DataType::UINT8, weight.place());
   const float* src = weight.data<float>();
   auto* dst = reinterpret_cast<uint16_t*>(packed.data<uint8_t>());
   for (int64_t p = 0; p < panels; ++p)
-    for (int64_t i = 0; i < k; ++i)
+    for (int64_t i = 0; i < kp; ++i)
       for (int64_t f = 0; f < kLanes; ++f) {
         const int64_t j = p * kLanes + f;
-        dst[(p * k + i) * kLanes + f] = j < n ? to_bf16(src[transposed ? j * cols + i : i * cols + j]) : 0;
+        const bool inside = j < n && i < k;
+        dst[((p * kp + i - i % 2) * kLanes) + 2 * f + i % 2] =
+            inside ? to_bf16(src[transposed ? j * cols + i : i * cols + j]) : 0;
       }
   return {packed};
 }
 
 std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x, const paddle::Tensor& packed, int n, int num_threads,
-                                       const std::string& mkl_path) {
+                                       const std::string& mkl_path, bool round_inputs) {
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && packed.dtype() == paddle::DataType::UINT8,
            "fd_bf16_linear: float32 input and a weight from fd_pack_bf16");
   auto shape = x.shape();
   const int64_t k = shape.back();
-  PD_CHECK(packed.numel() == panels_of(n) * k * kLanes * 2, "fd_bf16_linear: the packed weight holds ",
+  PD_CHECK(packed.numel() == panels_of(n) * padded_k(k) * kLanes * 2, "fd_bf16_linear: the packed weight holds ",
            packed.numel(), " bytes, not a [", k, ", ", n, "] weight's");
   const int64_t rows = x.numel() / std::max<int64_t>(k, 1);
   shape.back() = n;
@@ -218,10 +384,20 @@ std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x, const paddle::Te
   if (rows == 0 || n == 0) return {out};
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data<uint8_t>());
   const int threads = std::max(1, num_threads);
+  const float* in = x.data<float>();
+  if (round_inputs) {
+#if defined(__AMX_BF16__)
+    if (amx_granted()) {
+      amx_linear(in, rows, k, w, n, out.data<float>(), threads);
+      return {out};
+    }
+#endif
+    in = rounded_copy(in, rows * k, threads);
+  }
   if (rows >= kGemmRows && !mkl_path.empty())
-    widened_gemm(x.data<float>(), rows, k, w, n, out.data<float>(), threads, mkl_path);
+    widened_gemm(in, rows, k, w, n, out.data<float>(), threads, mkl_path);
   else
-    tiled(x.data<float>(), rows, k, w, n, out.data<float>(), threads);
+    tiled(in, rows, k, w, n, out.data<float>(), threads);
   return {out};
 }
 
@@ -246,7 +422,7 @@ PD_BUILD_OP(fd_pack_bf16)
 PD_BUILD_OP(fd_bf16_linear)
     .Inputs({"X", "Packed"})
     .Outputs({"Out"})
-    .Attrs({"n: int", "num_threads: int", "mkl_path: std::string"})
+    .Attrs({"n: int", "num_threads: int", "mkl_path: std::string", "round_inputs: bool"})
     .SetKernelFn(PD_KERNEL(Bf16Linear))
     .SetInferShapeFn(PD_INFER_SHAPE(Bf16LinearShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(Bf16LinearDtype));

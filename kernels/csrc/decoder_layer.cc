@@ -10,7 +10,9 @@
 //
 // Weights (qkv, o, gate_up, down, in that order) are block-quantized (see quant_linear.cc) or
 // bfloat16 panels (bf16_linear.cc) and come as one list of twelve tensors: codes, scales and mins
-// of each linear, `bits[i]` its code width (16: the panels, then two unused tensors). The Python side runs steps of fewer than 128 tokens here (see
+// of each linear, `bits[i]` its code width (16: the panels, then two unused tensors;
+// `round_inputs`: their inputs rounded to bfloat16 too, on AMX tiles where built in). The Python
+// side runs steps of fewer than 128 tokens here (see
 // fd_kernels.native.FusedDecoderLayer for why): MKL is never called inside this op.
 
 #include <vector>
@@ -32,12 +34,12 @@ std::vector<paddle::Tensor> DecoderLayer(const paddle::Tensor& x, const paddle::
                                          const paddle::Tensor& row_starts, const paddle::Tensor& row_lens,
                                          const std::vector<paddle::Tensor>& weights, const std::vector<int>& bits,
                                          const std::vector<int>& widths, int num_heads, int head_dim, float eps,
-                                         bool has_residual, int num_threads) {
+                                         bool has_residual, bool round_inputs, int num_threads) {
   PD_CHECK(bits.size() == kLinears && widths.size() == kLinears && weights.size() == kLinears * kTensorsPerLinear,
            "fd_decoder_layer: four linears (qkv, o, gate_up, down), three tensors each");
   const auto linear = [&](size_t i, const paddle::Tensor& in) {   // in @ W^T of linear i
     const size_t at = i * kTensorsPerLinear;
-    if (bits[i] == 16) return Bf16Linear(in, weights[at], widths[i], num_threads, /*mkl_path=*/"")[0];
+    if (bits[i] == 16) return Bf16Linear(in, weights[at], widths[i], num_threads, /*mkl_path=*/"", round_inputs)[0];
     return QuantLinear(in, weights[at], weights[at + 1], weights[at + 2], bits[i], num_threads, /*mkl_path=*/"")[0];
   };
   const int64_t tokens = x.shape()[0];
@@ -75,7 +77,7 @@ PD_BUILD_OP(fd_decoder_layer)
              "RowTables", "RowStarts", "RowLens", paddle::Vec("Weights")})
     .Outputs({"Out", "ResidualOut", "KCacheOut", "VCacheOut"})
     .Attrs({"bits: std::vector<int>", "widths: std::vector<int>", "num_heads: int", "head_dim: int", "eps: float",
-            "has_residual: bool", "num_threads: int"})
+            "has_residual: bool", "round_inputs: bool", "num_threads: int"})
     .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
     .SetKernelFn(PD_KERNEL(DecoderLayer))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayerShape))

@@ -23,4 +23,4 @@ std::vector<paddle::Tensor> QuantLinear(const paddle::Tensor& x, const paddle::T
                                         const paddle::Tensor& scales, const paddle::Tensor& mins, int bits,
                                         int num_threads, const std::string& mkl_path);
 std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x, const paddle::Tensor& packed, int n, int num_threads,
-                                       const std::string& mkl_path);
+                                       const std::string& mkl_path, bool round_inputs);

@@ -48,11 +48,13 @@ def test_the_panels_hold_the_rounded_weight(linear, transposed: bool) -> None:
     dense[0, :11] = _ties_and_specials()
     weight = paddle.to_tensor(dense.T.copy() if transposed else dense)
     packed = linear.prepare(weight, transposed=transposed, bfloat16=True).data.numpy()
-    lanes = next(lanes for lanes in (16, 8) if packed.size == -(-n // lanes) * k * lanes * 2)   # the build's vector width
+    # the build's vector width, and k padded to pairs (to AMX tile rows of 32 where built in)
+    lanes, kp = next((lanes, -(-k // step) * step) for lanes in (16, 8) for step in (32, 2)
+                     if packed.size == -(-n // lanes) * lanes * -(-k // step) * step * 2)
     values = (packed.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    padded = np.zeros((k, -(-n // lanes) * lanes), np.float32)
-    padded[:, :n] = round_to_bfloat16(dense)
-    want = padded.reshape(k, -1, lanes).transpose(1, 0, 2).reshape(-1)   # [panel, k, lane]
+    padded = np.zeros((kp, -(-n // lanes) * lanes), np.float32)
+    padded[:k, :n] = round_to_bfloat16(dense)
+    want = padded.reshape(kp // 2, 2, -1, lanes).transpose(2, 0, 3, 1).reshape(-1)   # [panel, k pair, lane, 2]
     np.testing.assert_array_equal(values, want)
 
 
@@ -86,3 +88,25 @@ def test_a_tied_head_is_stored_from_the_embedding_rows(linear) -> None:
     want = x.astype(np.float64) @ round_to_bfloat16(embedding).astype(np.float64).T
     np.testing.assert_allclose(linear(paddle.to_tensor(x), prepared).numpy(), want, rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 150])   # one short tile, whole and partial tiles, 128+
+@pytest.mark.parametrize(("k", "n"), [(37, 40), (576, 160)])
+def test_rounded_inputs_equal_float64_over_both_rounded(linear, rows: int, k: int, n: int) -> None:
+    """``bfloat16_inputs``: AMX tiles where the build has them, else the float32 path on rounded rows."""
+    rng = np.random.default_rng(rows + k * n)
+    dense = rng.standard_normal((k, n)).astype(np.float32)
+    x = (rng.standard_normal((rows, k)) * 3).astype(np.float32)
+    x[0, :3] = _ties_and_specials()[:3]
+    prepared = linear.prepare(paddle.to_tensor(dense), bfloat16=True, bfloat16_inputs=True)
+    got = linear(paddle.to_tensor(x), prepared).numpy()
+    rounded_x, rounded_w = (round_to_bfloat16(a).astype(np.float64) for a in (x, dense))
+    want = rounded_x @ rounded_w
+    scale = np.abs(rounded_x) @ np.abs(rounded_w) + 1
+    assert got.shape == (rows, n)
+    assert np.all(np.abs(got - want) <= 2e-6 * scale)
+    assert np.abs(x @ round_to_bfloat16(dense) - got).max() > 0   # the inputs were rounded
+    np.testing.assert_array_equal(linear(paddle.to_tensor(x), prepared).numpy(), got)
+    portable = PORTABLE_LINEAR(paddle.to_tensor(x), PORTABLE_LINEAR.prepare(
+        paddle.to_tensor(dense), bfloat16=True, bfloat16_inputs=True)).numpy()
+    assert np.all(np.abs(portable - want) <= 2e-6 * scale)

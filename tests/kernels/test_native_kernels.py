@@ -201,5 +201,7 @@ def test_isa_flags_follow_the_declared_features_only() -> None:
     assert native.isa_flags({"avx2", "fma"}) == ("-mavx2", "-mfma")
     assert "-mavx512f" in native.isa_flags({"avx2", "fma", "avx512f"})
     assert native.isa_flags({"avx512f"}) == ()     # never more than what is declared together
+    assert native.isa_flags({"avx2", "fma", "avx512f", "amx_bf16"})[-2:] == ("-mamx-tile", "-mamx-bf16")
+    assert not any("amx" in flag for flag in native.isa_flags({"avx2", "fma", "amx_bf16"}))
     assert native.cache_dir(("-mavx2", "-mfma")) != native.cache_dir(())
 

@@ -179,12 +179,14 @@ def test_a_bfloat16_kv_cache_with_the_reference_kernels_names_the_key(tiny_model
     assert err.value.key == "cache.dtype"
 
 
-def test_bfloat16_linear_weights_halve_the_weights_and_drain_back_to_free(make_llm):
+@pytest.mark.parametrize("linear_inputs", ["float32", "bfloat16"])
+def test_bfloat16_linear_weights_halve_the_weights_and_drain_back_to_free(make_llm, linear_inputs):
     from fd_core.request import SamplingParams
 
     if select_host_kernels().chosen["linear"].name == "portable":
         pytest.skip("16-bit storage is the C++ linear kernel's (no compiler here)")
-    llm = make_llm(model={"linear_weights": "bfloat16"})   # accuracy: the teacher-forced oracle test
+    # accuracy: the teacher-forced oracle test
+    llm = make_llm(model={"linear_weights": "bfloat16", "linear_inputs": linear_inputs})
     model, arch = llm.engine.runner.model, llm.engine.runner.arch
     qkv_width = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
     assert model.layers[0].qkv.bits == 16 and model.lm_head.bits == 16
@@ -202,6 +204,12 @@ def test_bfloat16_linear_weights_of_a_bfloat16_model_name_the_key():
     with pytest.raises(ConfigError, match=r"^model\.linear_weights: .*'bfloat16' rounds a float32 model's weights; "
                                           r"model\.dtype is 'bfloat16'"):
         load_config(model={"linear_weights": "bfloat16", "dtype": "bfloat16"})
+
+
+def test_bfloat16_linear_inputs_without_bfloat16_weights_name_the_key():
+    with pytest.raises(ConfigError, match=r"^model\.linear_inputs: .*set model\.linear_weights = \"bfloat16\" too"):
+        load_config(model={"linear_inputs": "bfloat16"})
+    assert load_config(model={"linear_weights": "bfloat16", "linear_inputs": "bfloat16"}).model.linear_inputs == "bfloat16"
 
 
 def select_host_kernels():

@@ -35,9 +35,10 @@ def tiny_gguf(tiny_model_dir, tmp_path_factory) -> str:
     return str(write_tiny_gguf(path, tiny_model_dir, tensor_type="Q4_1", tensor_types={"token_embd.weight": "Q8_0", "output.weight": "Q8_0"}))
 
 
-def _llm(source: str, quantized_weights: str, linear_weights: str = "float32", **cache: bool) -> LLM:
+def _llm(source: str, quantized_weights: str, linear_weights: str = "float32", linear_inputs: str = "float32",
+         **cache: bool) -> LLM:
     return LLM(config=load_config(model={"source": source, "quantized_weights": quantized_weights,
-                                         "linear_weights": linear_weights},
+                                         "linear_weights": linear_weights, "linear_inputs": linear_inputs},
                                   cache={"num_blocks": 64, **cache}))
 
 
@@ -79,11 +80,13 @@ def test_the_fused_layer_equals_the_op_by_op_layer_exactly(tiny_gguf, prompts: l
     assert _all_blocks_free(llm)
 
 
-def test_bfloat16_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_model_dir) -> None:
+@pytest.mark.parametrize("linear_inputs", ["float32", "bfloat16"])   # bfloat16: AMX tiles where the CPU has them
+def test_bfloat16_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_model_dir, linear_inputs: str) -> None:
     _needs_cpp_kernels()
-    llm = _llm(tiny_model_dir, "dequantize", "bfloat16", enable_prefix_caching=False)
+    llm = _llm(tiny_model_dir, "dequantize", "bfloat16", linear_inputs, enable_prefix_caching=False)
     model = llm.engine.runner.model
     assert all(layer.fused is not None and layer.qkv.bits == 16 for layer in model.layers)
+    assert all(layer.fused[3] == (linear_inputs == "bfloat16") for layer in model.layers)
     fused = _answers(llm)
     model.layers = [dataclasses.replace(layer, fused=None) for layer in model.layers]
     assert _answers(llm) == fused
@@ -117,5 +120,5 @@ def test_the_portable_kernels_run_block_quantized_weights_as_float32(tiny_gguf) 
     arch, weights, _ = load_gguf(Path(tiny_gguf), keep_quantized=True)
     model = LlamaForCausalLM(arch, weights)
     assert model.layers[0].fused is None
-    qkv_weight, transposed = model.layers[0].qkv
+    qkv_weight, transposed, _ = model.layers[0].qkv
     assert transposed and qkv_weight.shape == [arch.num_attention_heads * arch.head_dim * 2, arch.hidden_size]

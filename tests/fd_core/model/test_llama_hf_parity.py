@@ -79,7 +79,7 @@ def _hf_greedy(folder: Path, prompts: list[list[int]]) -> tuple[list[list[int]],
 
 def _ours_greedy(arch: LlamaArchConfig, weights: dict[str, np.ndarray], prompts: list[list[int]],
                  kernels: KernelSet, *, kv_dtype: str = "float32", linear_weights: str = "float32",
-                 forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[np.ndarray]]:
+                 linear_inputs: str = "float32", forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[np.ndarray]]:
     """Greedy tokens through ModelRunner: all prompts prefilled in one step, then batched decode.
 
     With ``forced`` (teacher forcing), each step appends the forced token instead of our own, so
@@ -90,7 +90,7 @@ def _ours_greedy(arch: LlamaArchConfig, weights: dict[str, np.ndarray], prompts:
     order = np.random.default_rng(0).permutation(NUM_PROMPTS * blocks_each)
     runner = ModelRunner(arch, weights, num_blocks=NUM_PROMPTS * blocks_each,
                          block_size=BLOCK_SIZE, sampler=sampler, kernels=kernels, kv_dtype=kv_dtype,
-                         linear_weights=linear_weights)
+                         linear_weights=linear_weights, linear_inputs=linear_inputs)
     reqs = [Request(f"p{i}", p) for i, p in enumerate(prompts)]
     tables = {r.request_id: order[i * blocks_each:(i + 1) * blocks_each].tolist()
               for i, r in enumerate(reqs)}
@@ -136,14 +136,16 @@ def _prompts(arch: LlamaArchConfig) -> list[list[int]]:
 NEEDS_CPP_KV = pytest.mark.skipif(HOST_KERNELS.reads_gather_inputs, reason="a bfloat16 KV cache needs the C++ kernels")
 
 
-@pytest.mark.parametrize(("kv_dtype", "linear_weights"), [
-    pytest.param("bfloat16", "float32", marks=NEEDS_CPP_KV),
-    ("float32", "bfloat16"),
-    pytest.param("bfloat16", "bfloat16", marks=NEEDS_CPP_KV),
+@pytest.mark.parametrize(("kv_dtype", "linear_weights", "linear_inputs"), [
+    pytest.param("bfloat16", "float32", "float32", marks=NEEDS_CPP_KV),
+    ("float32", "bfloat16", "float32"),
+    ("float32", "bfloat16", "bfloat16"),   # AMX tiles where the CPU has them
+    pytest.param("bfloat16", "bfloat16", "float32", marks=NEEDS_CPP_KV),
+    pytest.param("bfloat16", "bfloat16", "bfloat16", marks=NEEDS_CPP_KV),
 ])
 def test_bfloat16_modes_agree_with_transformers_on_top1_teacher_forced(tmp_path: Path, kv_dtype: str,
-                                                                        linear_weights: str) -> None:
-    """bfloat16 K/V storage and bfloat16 linear weights are not exact: over the oracle's own greedy
+                                                                        linear_weights: str, linear_inputs: str) -> None:
+    """bfloat16 K/V storage, linear weights and linear inputs are not exact: over the oracle's own greedy
     continuation, our top-1 must be the oracle's at >= 97% of steps, and where it is not, a near-tie
     in the oracle's logits (the two tokens within 1% of its logit range) - never a confident token lost."""
     pytest.importorskip("torch")
@@ -154,7 +156,7 @@ def test_bfloat16_modes_agree_with_transformers_on_top1_teacher_forced(tmp_path:
     prompts = _prompts(arch)
     expected_tokens, expected_logits = _hf_greedy(tmp_path / "model", prompts)
     _, logits = _ours_greedy(arch, weights, prompts, HOST_KERNELS, kv_dtype=kv_dtype, linear_weights=linear_weights,
-                             forced=expected_tokens)
+                             linear_inputs=linear_inputs, forced=expected_tokens)
 
     steps = agree = 0
     gaps = []
