@@ -101,7 +101,8 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
 
     llm = LLM(sections.pop("model", None), platform={"name": "cpu", "options": {"kernels": kernels}},
               engine={"max_num_seqs": rows, "max_num_batched_tokens": 2048},
-              cache={"num_blocks": rows * (prompt_len + steps + 64) // 16 + 64, "enable_prefix_caching": False},
+              cache={"num_blocks": rows * (prompt_len + steps + 64) // 16 + 64, "enable_prefix_caching": False,
+                     **sections.pop("cache", {})},
               **sections)
     timers = Timers()
     instrument(llm, timers)

@@ -27,6 +27,7 @@
 #endif
 
 #include "fast_exp.h"
+#include "flush_denormals.h"
 #include "kv_types.h"
 #include "paddle/extension.h"
 
@@ -65,6 +66,30 @@ inline void scores_4keys(const float* q, const T* k, int64_t d, float* scores, i
     }
   }
   for (int m = 0; m < MQ; ++m) _mm_storeu_ps(scores + m * stride, sum_lanes4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+}
+#endif
+
+#if defined(__AVX512F__)
+// out[g * d + c] += sum over j < n of p[g * p_stride + j] * v_j[c] for the G query heads sharing one
+// kv head (d % 16 == 0, d <= 128): each value row is read (and widened) once for all G of them.
+template <int G, typename T>
+void accumulate_values_grouped(const float* p, int64_t p_stride, const T* v, int64_t n, int64_t d, float* out) {
+  for (int64_t c = 0; c < d; c += 64) {
+    const int chunks = static_cast<int>(std::min<int64_t>(4, (d - c) / 16));
+    __m512 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int u = 0; u < chunks; ++u) acc[g][u] = _mm512_loadu_ps(out + g * d + c + 16 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 row[4];
+      for (int u = 0; u < chunks; ++u) row[u] = load16(v + j * d + c + 16 * u);
+      for (int g = 0; g < G; ++g) {
+        const __m512 weight = _mm512_set1_ps(p[g * p_stride + j]);
+        for (int u = 0; u < chunks; ++u) acc[g][u] = _mm512_fmadd_ps(weight, row[u], acc[g][u]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int u = 0; u < chunks; ++u) _mm512_storeu_ps(out + g * d + c + 16 * u, acc[g][u]);
+  }
 }
 #endif
 
@@ -124,20 +149,37 @@ void accumulate_values(const float* p, const T* v, int64_t n, int64_t d, float* 
   }
 }
 
-// Flush denormal inputs and results to zero on this thread while in scope: the weights of keys far
-// below a row's maximum can be ~1e-38, and their products with values denormals, which x86 cores
-// handle in slow microcode; their contribution to the sum is below float's resolution either way.
-// (A guard for peaked rows: on random test data it measured no difference.)
-class FlushDenormals {
- public:
-#if defined(__SSE__)
-  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }   // FTZ | DAZ
-  ~FlushDenormals() { _mm_setcsr(saved_); }
-
- private:
-  unsigned saved_;
+// accumulate_values for the `group` query heads of one kv head at once, where this build has a
+// kernel for it (AVX-512, d % 16 == 0, d <= 128, group <= 4); false: do them one by one.
+template <typename T>
+bool accumulate_group(const float* p, int64_t p_stride, const T* v, int64_t n, int64_t d, int64_t group,
+                      float* out) {
+#if defined(__AVX512F__)
+  if (d % 16 != 0 || d > 128) return false;
+  switch (group) {
+    case 1: accumulate_values_grouped<1>(p, p_stride, v, n, d, out); return true;
+    case 2: accumulate_values_grouped<2>(p, p_stride, v, n, d, out); return true;
+    case 3: accumulate_values_grouped<3>(p, p_stride, v, n, d, out); return true;
+    case 4: accumulate_values_grouped<4>(p, p_stride, v, n, d, out); return true;
+    default: return false;
+  }
+#else
+  (void)p, (void)p_stride, (void)v, (void)n, (void)d, (void)group, (void)out;
+  return false;
 #endif
-};
+}
+
+// Asks for the cache lines of the next block to be read (blocks sit anywhere in the pool, which
+// the hardware prefetcher cannot guess).
+template <typename T>
+inline void prefetch_block(const T* block, int64_t elements) {
+#if defined(__SSE__)
+  const char* bytes = reinterpret_cast<const char*>(block);
+  for (int64_t at = 0; at < elements * static_cast<int64_t>(sizeof(T)); at += 64) _mm_prefetch(bytes + at, _MM_HINT_T0);
+#else
+  (void)block, (void)elements;
+#endif
+}
 
 // Per-thread buffers of a task, reused across tasks.
 struct Scratch {
@@ -171,8 +213,11 @@ template <typename T>
     return cache + (table[b] * s.kv_heads + task.kv_head) * bs * d;
   };
   const int64_t blocks = (keys + bs - 1) / bs;
-  for (int64_t b = 0; b < blocks; ++b)
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b + 1 < blocks) prefetch_block(block_of(k_cache, b + 1), bs * d);
+    else prefetch_block(block_of(v_cache, 0), bs * d);
     block_scores(queries, mq, block_of(k_cache, b), std::min(bs, keys - b * bs), d, scores + b * bs, keys);
+  }
   for (int64_t m = 0; m < mq; ++m) {
     const int64_t seen = task.first_pos + m / group + 1;
     float* row = scores + m * keys;
@@ -192,10 +237,16 @@ template <typename T>
   }
   for (int64_t b = 0; b < blocks; ++b) {
     const T* values = block_of(v_cache, b);
+    if (b + 1 < blocks) prefetch_block(block_of(v_cache, b + 1), bs * d);
     const int64_t n = std::min(bs, keys - b * bs);
-    for (int64_t m = 0; m < mq; ++m) {
-      const int64_t seen = std::min(n, task.first_pos + m / group + 1 - b * bs);
-      if (seen > 0) accumulate_values(scores + m * keys + b * bs, values, seen, d, scratch.out.data() + m * d);
+    for (int64_t query = 0; query < task.count; ++query) {   // its `group` heads see the same keys
+      const int64_t seen = std::min(n, task.first_pos + query + 1 - b * bs);
+      if (seen <= 0) continue;
+      const int64_t m0 = query * group;
+      if (accumulate_group(scores + m0 * keys + b * bs, keys, values, seen, d, group, scratch.out.data() + m0 * d))
+        continue;
+      for (int64_t m = m0; m < m0 + group; ++m)
+        accumulate_values(scores + m * keys + b * bs, values, seen, d, scratch.out.data() + m * d);
     }
   }
   for (int64_t m = 0; m < mq; ++m) std::copy_n(scratch.out.data() + m * d, d, out + offset(m));

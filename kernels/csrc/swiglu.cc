@@ -3,13 +3,15 @@
 //   x [T, 2n] float32 (gate columns, then up columns)  ->  out [T, n] = silu(gate) * up
 //
 // silu(g) = g / (1 + exp(-g)). One pass, rows spread over OpenMP threads when the step is large
-// enough to pay for them (a prefill chunk), the columns in a loop written for the vectoriser.
+// enough to pay for them (a prefill chunk), the columns in a loop written for the vectoriser,
+// denormals flushed (see flush_denormals.h: 10x on the Xeon measured).
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "fast_exp.h"
+#include "flush_denormals.h"
 #include "paddle/extension.h"
 
 namespace {
@@ -30,13 +32,17 @@ std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x, int num_threads) {
   const float* xp = x.data<float>();
   float* op = out.data<float>();
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, rows * n / kMinValuesPerThread)));
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = xp + r * width;
-    const float* up = gate + n;
-    float* o = op + r * n;
+#pragma omp parallel num_threads(threads)
+  {
+    const FlushDenormals flush;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* gate = xp + r * width;
+      const float* up = gate + n;
+      float* o = op + r * n;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) o[i] = gate[i] / (1.0f + fast_exp(-gate[i])) * up[i];
+      for (int64_t i = 0; i < n; ++i) o[i] = gate[i] / (1.0f + fast_exp(-gate[i])) * up[i];
+    }
   }
   return {out};
 }
