@@ -293,8 +293,18 @@ void amx_block(const uint16_t* a, int64_t kp, int tile_rows, const uint16_t* w, 
 
 #undef FD_STORE_TILE
 
+using AmxBlock = void (*)(const uint16_t*, int64_t, int, const uint16_t*, int64_t, float*, int64_t, const int*,
+                          const int*);
+
+// An OpenMP task of amx_linear: up to kAmxRowBlocks x kAmxPanelBlocks blocks (256 rows by 8 panels),
+// panel by panel over its rows, so that both its rows and its panels stay in L2 (one block at a
+// time over the whole weight read it again from L3 for every 32 rows: measured 894 -> 984 GFLOP/s
+// on a 2048-row gate/up on the AMX Xeon, 1006 -> 1274 at 64 rows).
+constexpr int64_t kAmxRowBlocks = 8, kAmxPanelBlocks = 4;
+
 // y = round(x) @ B on AMX tiles: x rounded into a [rows (padded to whole tiles), kp] bfloat16
-// buffer this thread keeps, then blocks of two row tiles by two panels per OpenMP task.
+// buffer this thread keeps, then blocks of two row tiles by two panels, in tasks of kAmxRowBlocks x
+// kAmxPanelBlocks blocks.
 void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed, int64_t n, float* y, int threads) {
   const int64_t kp = padded_k(k), panels = panels_of(n), panel_stride = kp * kLanes;
   const int tile_rows = static_cast<int>(std::min<int64_t>(rows, 16));
@@ -316,23 +326,26 @@ void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed,
     }
     configure_tiles(tile_rows);
     const int64_t row_blocks = (row_tiles + 1) / 2, panel_blocks = (panels + 1) / 2;
+    const int64_t row_groups = (row_blocks + kAmxRowBlocks - 1) / kAmxRowBlocks;
+    const int64_t panel_groups = (panel_blocks + kAmxPanelBlocks - 1) / kAmxPanelBlocks;
 #pragma omp for schedule(static) collapse(2)
-    for (int64_t rb = 0; rb < row_blocks; ++rb)
-      for (int64_t pb = 0; pb < panel_blocks; ++pb) {
-        const int64_t r0 = rb * 2 * tile_rows, p0 = pb * 2;
-        const int block_rows[2] = {static_cast<int>(std::clamp<int64_t>(rows - r0, 0, tile_rows)),
-                                   static_cast<int>(std::clamp<int64_t>(rows - r0 - tile_rows, 0, tile_rows))};
-        const int block_cols[2] = {static_cast<int>(std::clamp<int64_t>(n - p0 * kLanes, 0, kLanes)),
-                                   static_cast<int>(std::clamp<int64_t>(n - (p0 + 1) * kLanes, 0, kLanes))};
-        const bool two_rows = rb * 2 + 1 < row_tiles, two_panels = p0 + 1 < panels;
-        const uint16_t* rows_at = a + r0 * kp;
-        const uint16_t* w = packed + p0 * panel_stride;
-        float* out = y + r0 * n + p0 * kLanes;
-        if (two_rows && two_panels) amx_block<2, 2>(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols);
-        else if (two_rows) amx_block<2, 1>(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols);
-        else if (two_panels) amx_block<1, 2>(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols);
-        else amx_block<1, 1>(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols);
-      }
+    for (int64_t rg = 0; rg < row_groups; ++rg)
+      for (int64_t pg = 0; pg < panel_groups; ++pg)
+        for (int64_t pb = pg * kAmxPanelBlocks; pb < std::min(panel_blocks, (pg + 1) * kAmxPanelBlocks); ++pb)
+          for (int64_t rb = rg * kAmxRowBlocks; rb < std::min(row_blocks, (rg + 1) * kAmxRowBlocks); ++rb) {
+            const int64_t r0 = rb * 2 * tile_rows, p0 = pb * 2;
+            const int block_rows[2] = {static_cast<int>(std::clamp<int64_t>(rows - r0, 0, tile_rows)),
+                                       static_cast<int>(std::clamp<int64_t>(rows - r0 - tile_rows, 0, tile_rows))};
+            const int block_cols[2] = {static_cast<int>(std::clamp<int64_t>(n - p0 * kLanes, 0, kLanes)),
+                                       static_cast<int>(std::clamp<int64_t>(n - (p0 + 1) * kLanes, 0, kLanes))};
+            const bool two_rows = rb * 2 + 1 < row_tiles, two_panels = p0 + 1 < panels;
+            const uint16_t* rows_at = a + r0 * kp;
+            const uint16_t* w = packed + p0 * panel_stride;
+            float* out = y + r0 * n + p0 * kLanes;
+            const AmxBlock block = two_rows ? (two_panels ? amx_block<2, 2> : amx_block<2, 1>)
+                                            : (two_panels ? amx_block<1, 2> : amx_block<1, 1>);
+            block(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols);
+          }
     _tile_release();
   }
 }
