@@ -99,6 +99,7 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
     from fd_core import LLM
     from fd_core.request import Request, SamplingParams
 
+    requested, sections = sections, dict(sections)
     llm = LLM(sections.pop("model", None), platform={"name": "cpu", "options": {"kernels": kernels}},
               engine={"max_num_seqs": rows, "max_num_batched_tokens": 2048},
               cache={"num_blocks": rows * (prompt_len + steps + 64) // 16 + 64, "enable_prefix_caching": False,
@@ -128,7 +129,7 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
     inner = sum(v for k, v in per_step.items() if k not in ("engine step", "model forward"))
     per_step["model: other ops"] = round(per_step["model forward"] - inner, 3)
     per_step["engine + other"] = round(per_step["engine step"] - per_step["model forward"], 3)
-    return {"kernels": kernels, "sections": sections, "chosen": core.runner.kernels.describe(), "rows": rows, "prompt_len": prompt_len,
+    return {"kernels": kernels, "sections": requested, "chosen": core.runner.kernels.describe(), "rows": rows, "prompt_len": prompt_len,
             "steps": steps, "ms_per_step": per_step, "decode_tok_s": round(rows * steps / wall, 1)}
 
 
