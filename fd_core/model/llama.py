@@ -83,9 +83,10 @@ class LlamaForCausalLM:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if linear_weights not in LINEAR_WEIGHTS:
             raise ValueError(f"linear_weights {linear_weights!r} is not supported; use one of {LINEAR_WEIGHTS}")
-        if linear_inputs not in LINEAR_WEIGHTS or (linear_inputs == "bfloat16" and linear_weights != "bfloat16"):
-            raise ValueError(f"linear_inputs {linear_inputs!r} needs linear_weights 'bfloat16' "
-                             f"(and one of {LINEAR_WEIGHTS})")
+        if linear_inputs not in LINEAR_WEIGHTS:
+            raise ValueError(f"linear_inputs {linear_inputs!r} is not supported; use one of {LINEAR_WEIGHTS}")
+        if linear_inputs == "bfloat16" and linear_weights != "bfloat16":
+            raise ValueError("linear_inputs 'bfloat16' needs linear_weights 'bfloat16'")
         rounding = {"bfloat16": linear_weights == "bfloat16", "bfloat16_inputs": linear_inputs == "bfloat16"}
         expected = expected_weight_shapes(arch)
         missing = [name for name in expected if name not in weights]
