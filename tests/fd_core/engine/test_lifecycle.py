@@ -101,17 +101,17 @@ def test_async_llm_refuses_a_live_duplicate_id(tiny_model_dir):
     llm = AsyncLLM(_engine(tiny_model_dir))
     slow = SamplingParams(max_tokens=40, ignore_eos=True)
 
-    async def run(request_id, params):
-        async for output in llm.generate([5, 6, 7], params, request_id=request_id):
-            final = output
-        return final
-
     async def main():
-        first = asyncio.create_task(run("dup", slow))
-        await asyncio.sleep(0.05)
+        # the first stream stays live until its final output is read, however fast the engine is
+        stream = llm.generate([5, 6, 7], slow, request_id="dup")
+        final = await anext(stream)
+        assert not final.finished
         with pytest.raises(RequestError, match="already in use"):
-            await run("dup", PARAMS)
-        return await first
+            async for _ in llm.generate([5, 6, 7], PARAMS, request_id="dup"):
+                pass
+        async for final in stream:
+            pass
+        return final
 
     try:
         first = asyncio.run(main())
