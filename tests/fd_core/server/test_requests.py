@@ -236,7 +236,7 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(tiny_server)
     aborted_before = metric(metrics(url), "fd_request_finished_total", '{finish_reason="abort"}')
     body = json.dumps({"prompt": list(range(100, 140)), "max_tokens": 450, "ignore_eos": True})  # seconds
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", content=body, headers=KEY, timeout=httpx.Timeout(5, read=0.2))
+        httpx.post(url + "/v1/completions", content=body, headers=KEY, timeout=httpx.Timeout(5, read=0.1))
     deadline = time.monotonic() + 10
     while metric(metrics(url), "fd_request_finished_total", '{finish_reason="abort"}') == aborted_before:
         assert time.monotonic() < deadline, "the request was not aborted"
