@@ -43,7 +43,9 @@ from fd_core.engine.llm import LLM
 from fd_core.request import SamplingParams
 sections = json.loads({sections!r})
 model = {{"source": {model!r}, **sections.pop("model", {{}})}}
-llm = LLM(model, engine={{"max_num_seqs": 8}}, cache={{"enable_prefix_caching": False, "num_blocks": 512}}, **sections)
+engine = {{"max_num_seqs": 8, **sections.pop("engine", {{}})}}
+cache = {{"enable_prefix_caching": False, "num_blocks": 512, **sections.pop("cache", {{}})}}
+llm = LLM(model, engine=engine, cache=cache, **sections)
 def generate(n):
     llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
 """

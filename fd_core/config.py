@@ -72,6 +72,11 @@ class ModelSection(_Section):
             "to bfloat16 as well, so the matmul multiplies bfloat16 pairs (sums stay float32): on AMX tiles "
             "where the CPU declares `amx_bf16` (several times the float32 rate), elsewhere the same rounded "
             "values multiplied in float32. Outputs drift further from float32's than with rounded weights alone."))
+    attention_inputs: Literal["float32", "bfloat16"] = Field(
+        "float32", description=(
+            "With `cache.dtype = \"bfloat16\"`: `bfloat16` rounds attention's queries to bfloat16 as well, so "
+            "the query-key products multiply bfloat16 pairs (sums and softmax stay float32): on AMX tiles where "
+            "the CPU declares `amx_bf16`, elsewhere the same rounded values multiplied in float32."))
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt + output; defaults to min(model limit, 2048).")
     seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")

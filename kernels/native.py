@@ -117,8 +117,8 @@ def prepare_attention(capabilities: Collection[str]) -> Callable[..., Any]:
     op = load_native(capabilities).fd_paged_attention
     threads = _threads()
 
-    def attention_cpp(q: Any, k_cache: Any, v_cache: Any, attn: Any) -> Any:
-        return op(q, k_cache, v_cache, attn.row_tables, attn.row_starts, attn.row_lens, 1.0, threads)
+    def attention_cpp(q: Any, k_cache: Any, v_cache: Any, attn: Any, round_queries: bool = False) -> Any:
+        return op(q, k_cache, v_cache, attn.row_tables, attn.row_starts, attn.row_lens, 1.0, round_queries, threads)
 
     return attention_cpp
 
@@ -257,14 +257,15 @@ class FusedDecoderLayer:
 
     def __call__(self, bound: tuple[list[Any], list[int], list[int], bool], x: Any, residual: Any, input_norm: Any,
                  post_norm: Any, k_cache: Any, v_cache: Any, attn: Any, cos: Any, sin: Any, num_heads: int,
-                 head_dim: int, eps: float) -> tuple[Any, Any]:
-        """``(out, residual stream)`` of the layer, its K/V written into the caches."""
+                 head_dim: int, eps: float, round_queries: bool = False) -> tuple[Any, Any]:
+        """``(out, residual stream)`` of the layer, its K/V written into the caches (``round_queries``:
+        see the ``attention`` kernels)."""
         tensors, bits, widths, round_inputs = bound
         out, summed = self._op(x, x if residual is None else residual, input_norm, post_norm,
                                      attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor,
                                      attn.row_tables, attn.row_starts, attn.row_lens, tensors, bits, widths,
                                      num_heads, head_dim, eps, residual is not None, round_inputs,
-                                     self._threads)[:2]
+                                     round_queries, self._threads)[:2]
         return out, summed
 
 

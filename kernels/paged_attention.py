@@ -183,9 +183,12 @@ def paged_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Te
 
 
 def attention_reference(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor,
-                        attn: object) -> paddle.Tensor:
+                        attn: object, round_queries: bool = False) -> paddle.Tensor:
     """The reference ``attention`` kernel variant: :func:`paged_attention` on a step's metadata
-    (its gather indices and masks; q already scaled)."""
+    (its gather indices and masks; q already scaled). ``round_queries``: q rounded to bfloat16
+    first (nearest even), as the C++ kernel multiplies them on AMX tiles with a bfloat16 cache."""
+    if round_queries:
+        q = q.astype("bfloat16").astype("float32")
     return paged_attention(q, k_cache, v_cache, num_decode=attn.num_decode, decode_index=attn.decode_index,
                            decode_mask=attn.decode_mask, prefill=attn.prefill, scale=1.0)
 

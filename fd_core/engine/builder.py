@@ -78,6 +78,7 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     report("choosing kernels (the C++ kernels are built on first use, then cached)")
     kernels = choose_kernels(platform, selection.platform_reason, worker_env, process_note)
     _check_kv_cache_dtype(config, kernels)
+    _check_attention_inputs(config)
     _check_quantized_weights(config, kernels)
 
     stage = f"loading the model {config.model.source!r}"
@@ -98,7 +99,8 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
                          dtype=config.model.dtype, kv_dtype=kv_cache_dtype(config), device=platform.device_string(),
                          sampler=Sampler(seed=config.model.seed), num_threads=platform.num_threads(),
                          kernels=kernels, linear_weights=config.model.linear_weights,
-                         linear_inputs=config.model.linear_inputs)
+                         linear_inputs=config.model.linear_inputs,
+                         attention_inputs=config.model.attention_inputs)
     report(f"warm-up forward pass (kernels: {kernels.describe()})")
     warm_up_s = runner.warm_up()
     log.info("warm-up: a %d-token prefill and a decode step took %.2f s", WARMUP_PROMPT_TOKENS, warm_up_s)
@@ -151,6 +153,16 @@ def _check_kv_cache_dtype(config: FdConfig, kernels: KernelSet) -> None:
     if stored != config.model.dtype and kernels.reads_gather_inputs:
         raise ConfigError("cache.dtype", f"{stored!r} with model.dtype {config.model.dtype!r} needs the C++ "
                                          f"attention and RoPE + KV write kernels; here: {kernels.describe()}")
+
+
+def _check_attention_inputs(config: FdConfig) -> None:
+    """bfloat16 queries are multiplied with a bfloat16 cache."""
+    from fd_core.config import kv_cache_dtype
+
+    stored = kv_cache_dtype(config)
+    if config.model.attention_inputs == "bfloat16" and stored != "bfloat16":
+        raise ConfigError("model.attention_inputs", f"'bfloat16' queries are multiplied with a bfloat16 cache; "
+                                                    f"the cache stores {stored!r}: set cache.dtype = \"bfloat16\" too")
 
 
 def _check_quantized_weights(config: FdConfig, kernels: KernelSet) -> None:

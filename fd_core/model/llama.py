@@ -13,6 +13,7 @@ in their blocks (a float32 model) and the embedding lookup reads a float32 copy.
 ``linear_weights="bfloat16"`` the other float32 matrices (projections and head) are rounded to
 bfloat16, which the C++ linear kernel stores in 16 bits (inputs and sums stay float32; with
 ``linear_inputs="bfloat16"`` the inputs are rounded too, multiplied on AMX tiles where the CPU has them).
+``attention_inputs="bfloat16"`` rounds attention's queries (for a bfloat16 cache: AMX tiles again).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class LlamaForCausalLM:
 
     def __init__(self, arch: LlamaArchConfig, weights: Mapping[str, np.ndarray | BlockQuantized], *,
                  dtype: str = "float32", kernels: KernelSet = PORTABLE_KERNELS,
-                 linear_weights: str = "float32", linear_inputs: str = "float32") -> None:
+                 linear_weights: str = "float32", linear_inputs: str = "float32",
+                 attention_inputs: str = "float32") -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if linear_weights not in LINEAR_WEIGHTS:
@@ -87,6 +89,9 @@ class LlamaForCausalLM:
             raise ValueError(f"linear_inputs {linear_inputs!r} is not supported; use one of {LINEAR_WEIGHTS}")
         if linear_inputs == "bfloat16" and linear_weights != "bfloat16":
             raise ValueError("linear_inputs 'bfloat16' needs linear_weights 'bfloat16'")
+        if attention_inputs not in LINEAR_WEIGHTS:
+            raise ValueError(f"attention_inputs {attention_inputs!r} is not supported; use one of {LINEAR_WEIGHTS}")
+        self.round_queries = attention_inputs == "bfloat16"
         rounding = {"bfloat16": linear_weights == "bfloat16", "bfloat16_inputs": linear_inputs == "bfloat16"}
         expected = expected_weight_shapes(arch)
         missing = [name for name in expected if name not in weights]
@@ -176,12 +181,12 @@ class LlamaForCausalLM:
             if fuse and layer.fused is not None:
                 x, residual = fused_layer(layer.fused, x, residual, layer.input_norm, layer.post_norm, cache.key,
                                           cache.value, attn, self.rope_cos, self.rope_sin, heads, head_dim,
-                                          arch.rms_norm_eps)
+                                          arch.rms_norm_eps, round_queries=self.round_queries)
                 continue
             h, residual = self._norm(x, layer.input_norm, residual)
             qkv = linear(h, layer.qkv, layer.qkv_bias).reshape([num_tokens, -1, head_dim])
             q = rope_write_kv(qkv, cache.key, cache.value)
-            out = attention(q, cache.key, cache.value, attn)
+            out = attention(q, cache.key, cache.value, attn, round_queries=self.round_queries)
             x = linear(out.reshape([num_tokens, heads * head_dim]), layer.o)
             h, residual = self._norm(x, layer.post_norm, residual)
             x = linear(self.kernels.swiglu(linear(h, layer.gate_up)), layer.down)

@@ -59,7 +59,8 @@ class ModelRunner:
                  block_size: int, dtype: str = "float32", device: str = "cpu",
                  sampler: TokenSampler, num_threads: int | None = None,
                  kernels: KernelSet = PORTABLE_KERNELS, kv_dtype: str | None = None,
-                 linear_weights: str = "float32", linear_inputs: str = "float32") -> None:
+                 linear_weights: str = "float32", linear_inputs: str = "float32",
+                 attention_inputs: str = "float32") -> None:
         paddle.set_device(device)
         # Paddle's CPU kernels default to one thread; decode matmuls scale with cores.
         paddle.base.core.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
@@ -71,7 +72,7 @@ class ModelRunner:
         self.kernels = kernels
         self.warm_up_seconds: float | None = None   # set by warm_up()
         self.model = LlamaForCausalLM(arch, weights, dtype=dtype, kernels=kernels, linear_weights=linear_weights,
-                                      linear_inputs=linear_inputs)
+                                      linear_inputs=linear_inputs, attention_inputs=attention_inputs)
         self.kv_caches = allocate_kv_caches(arch, num_blocks=num_blocks, block_size=block_size,
                                             dtype=kv_dtype or dtype)
 

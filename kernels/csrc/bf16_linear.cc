@@ -36,11 +36,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx.h"
 #include "mkl_api.h"
 #include "ops.h"
 #include "paddle/extension.h"
@@ -226,21 +222,8 @@ void widened_gemm(const float* x, int64_t rows, int64_t k, const uint16_t* packe
 
 #if defined(__AMX_BF16__)
 
-// Linux hands a process the AMX tile registers only when asked (arch_prctl), once.
-bool amx_granted() {
-  constexpr long kRequestPermission = 0x1023, kTileData = 18;   // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return granted;
-}
-
 // Tiles 0-3: float32 sums [rows x 16], 4-5: input rows [rows x 32 bfloat16], 6-7: panels
-// [16 pairs x 16 features] (palette 1: 16 rows of 64 bytes at most).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
+// [16 pairs x 16 features].
 void configure_tiles(int rows) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {

@@ -11,7 +11,8 @@
 // Weights (qkv, o, gate_up, down, in that order) are block-quantized (see quant_linear.cc) or
 // bfloat16 panels (bf16_linear.cc) and come as one list of twelve tensors: codes, scales and mins
 // of each linear, `bits[i]` its code width (16: the panels, then two unused tensors;
-// `round_inputs`: their inputs rounded to bfloat16 too, on AMX tiles where built in). The Python
+// `round_inputs`: their inputs rounded to bfloat16 too, on AMX tiles where built in;
+// `round_queries`: attention's, with a bfloat16 cache, see paged_attention.cc). The Python
 // side runs steps of fewer than 128 tokens here (see
 // fd_kernels.native.FusedDecoderLayer for why): MKL is never called inside this op.
 
@@ -34,7 +35,8 @@ std::vector<paddle::Tensor> DecoderLayer(const paddle::Tensor& x, const paddle::
                                          const paddle::Tensor& row_starts, const paddle::Tensor& row_lens,
                                          const std::vector<paddle::Tensor>& weights, const std::vector<int>& bits,
                                          const std::vector<int>& widths, int num_heads, int head_dim, float eps,
-                                         bool has_residual, bool round_inputs, int num_threads) {
+                                         bool has_residual, bool round_inputs, bool round_queries,
+                                         int num_threads) {
   PD_CHECK(bits.size() == kLinears && widths.size() == kLinears && weights.size() == kLinears * kTensorsPerLinear,
            "fd_decoder_layer: four linears (qkv, o, gate_up, down), three tensors each");
   const auto linear = [&](size_t i, const paddle::Tensor& in) {   // in @ W^T of linear i
@@ -48,7 +50,8 @@ std::vector<paddle::Tensor> DecoderLayer(const paddle::Tensor& x, const paddle::
   auto qkv = linear(0, normed[0]);
   paddle::experimental::reshape_(qkv, {tokens, widths[0] / head_dim, head_dim});
   auto q = RopeWriteKv(qkv, positions, cos, sin, k_cache, v_cache, slots, num_heads)[0];
-  auto attended = PagedAttention(q, k_cache, v_cache, row_tables, row_starts, row_lens, 1.0f, num_threads)[0];
+  auto attended = PagedAttention(q, k_cache, v_cache, row_tables, row_starts, row_lens, 1.0f, round_queries,
+                                 num_threads)[0];
   paddle::experimental::reshape_(attended, {tokens, static_cast<int64_t>(num_heads) * head_dim});
   auto post = RmsNorm(linear(1, attended), normed[1], post_norm, eps, true, num_threads);
   auto out = linear(3, Swiglu(linear(2, post[0]), num_threads)[0]);
@@ -77,7 +80,7 @@ PD_BUILD_OP(fd_decoder_layer)
              "RowTables", "RowStarts", "RowLens", paddle::Vec("Weights")})
     .Outputs({"Out", "ResidualOut", "KCacheOut", "VCacheOut"})
     .Attrs({"bits: std::vector<int>", "widths: std::vector<int>", "num_heads: int", "head_dim: int", "eps: float",
-            "has_residual: bool", "round_inputs: bool", "num_threads: int"})
+            "has_residual: bool", "round_inputs: bool", "round_queries: bool", "num_threads: int"})
     .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
     .SetKernelFn(PD_KERNEL(DecoderLayer))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayerShape))

@@ -40,6 +40,14 @@ inline Bf16 from_float<Bf16>(float x) {
   return Bf16{static_cast<uint16_t>(u >> 16)};
 }
 
+// from_float<Bf16>'s bits without a branch, for loops the compiler vectorises.
+inline uint16_t round_to_bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
+
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const Bf16* p) {

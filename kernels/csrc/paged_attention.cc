@@ -16,16 +16,22 @@
 // query from L1). With AVX2 + FMA declared the micro-kernels use intrinsics; otherwise loops
 // written for the compiler's vectoriser. The ISA flags come from the capabilities the platform
 // declared. A bfloat16 cache is widened to float32 as it is read (kv_types.h): math stays fp32.
+// round_queries: the (scaled) queries are rounded to bfloat16 first; with a bfloat16 cache on a CPU
+// with AMX (built with -mamx-bf16, tiles granted) the scores are then AMX tile products (see
+// attend_tile_amx), elsewhere the rounded queries take the float32 path: the same products, summed
+// in another order. Softmax and the weighted sum of the values stay float32 either way.
 // Tasks are spread over OpenMP threads when the step is large enough to pay for them.
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__SSE__)
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "fast_exp.h"
 #include "flush_denormals.h"
 #include "kv_types.h"
@@ -183,14 +189,189 @@ inline void prefetch_block(const T* block, int64_t elements) {
 
 // Per-thread buffers of a task, reused across tasks.
 struct Scratch {
-  std::vector<float> queries, scores, out;
+  std::vector<float> queries, scores, out, top, total;
+  std::vector<int64_t> last_key;
+  std::vector<uint32_t> rounded, pairs;
 };
+
+// Query vector m of a task (query m / group, head m % group): its offset in q and out.
+inline int64_t vector_offset(const Task& task, const Shapes& s, int64_t m) {
+  const int64_t group = s.heads / s.kv_heads;
+  return ((task.first_token + m / group) * s.heads + task.kv_head * group + m % group) * s.head_dim;
+}
+
+#if defined(__AMX_BF16__) && defined(__AVX512F__)
+// The AMX path (a bfloat16 cache, queries rounded): scores transposed, S^T = K Q^T, so a block's
+// keys go into the tiles as they lie in the cache (16 keys x 32 dims a tile) and only the task's
+// few query vectors are rearranged (into pairs of dims: the B operand's layout). S^T is key-major
+// ([keys, query vectors]): the softmax runs down its columns and the values are summed key by key.
+constexpr int64_t kKeyTile = 16;
+
+// Tiles 0-2: sums [16 keys x 16 query vectors], 3: keys [16 x 32 dims], 4-6: query pairs.
+void configure_attention_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// S^T rows of 16 keys (d apart in the cache) for query-vector tiles g0..g0+G-1 of `pairs`
+// (per 32 dims, per tile: 16 rows of 16 vectors' pairs of dims 2j, 2j + 1), stored ld floats apart.
+template <int G>
+void amx_key_scores(const Bf16* keys, int64_t d, const uint32_t* pairs, int64_t tiles, int64_t g0, float* s,
+                    int64_t ld) {
+  _tile_zero(0);
+  if constexpr (G > 1) _tile_zero(1);
+  if constexpr (G > 2) _tile_zero(2);
+  for (int64_t c = 0; c < d / 32; ++c) {
+    const uint32_t* b = pairs + (c * tiles + g0) * 256;
+    _tile_loadd(3, keys + c * 32, d * 2);
+    _tile_loadd(4, b, 64);
+    _tile_dpbf16ps(0, 3, 4);
+    if constexpr (G > 1) {
+      _tile_loadd(5, b + 256, 64);
+      _tile_dpbf16ps(1, 3, 5);
+    }
+    if constexpr (G > 2) {
+      _tile_loadd(6, b + 512, 64);
+      _tile_dpbf16ps(2, 3, 6);
+    }
+  }
+  _tile_stored(0, s + g0 * 16, ld * 4);
+  if constexpr (G > 1) _tile_stored(1, s + g0 * 16 + 16, ld * 4);
+  if constexpr (G > 2) _tile_stored(2, s + g0 * 16 + 32, ld * 4);
+}
+
+// out[m * d + c] += sum over j < n of p[j * ld + m] * v_j[c] for MB query vectors (m < MB), each
+// value row read and widened once for all of them.
+template <int MB>
+void accumulate_key_major(const float* p, int64_t ld, const Bf16* v, int64_t n, int64_t d, float* out) {
+  for (int64_t c = 0; c < d; c += 64) {
+    const int chunks = static_cast<int>(std::min<int64_t>(4, (d - c) / 16));
+    __m512 acc[MB][4];
+    for (int m = 0; m < MB; ++m)
+      for (int u = 0; u < chunks; ++u) acc[m][u] = _mm512_loadu_ps(out + m * d + c + 16 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 row[4];
+      for (int u = 0; u < chunks; ++u) row[u] = load16(v + j * d + c + 16 * u);
+      for (int m = 0; m < MB; ++m) {
+        const __m512 weight = _mm512_set1_ps(p[j * ld + m]);
+        for (int u = 0; u < chunks; ++u) acc[m][u] = _mm512_fmadd_ps(weight, row[u], acc[m][u]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int u = 0; u < chunks; ++u) _mm512_storeu_ps(out + m * d + c + 16 * u, acc[m][u]);
+  }
+}
+
+constexpr int kVectorsPerPass = 6;   // 24 accumulators, 4 value vectors and a weight: 29 registers
+
+void accumulate_vectors(const float* p, int64_t ld, const Bf16* v, int64_t n, int64_t d, int64_t count, float* out) {
+  switch (count) {
+    case 1: return accumulate_key_major<1>(p, ld, v, n, d, out);
+    case 2: return accumulate_key_major<2>(p, ld, v, n, d, out);
+    case 3: return accumulate_key_major<3>(p, ld, v, n, d, out);
+    case 4: return accumulate_key_major<4>(p, ld, v, n, d, out);
+    case 5: return accumulate_key_major<5>(p, ld, v, n, d, out);
+    default: return accumulate_key_major<kVectorsPerPass>(p, ld, v, n, d, out);
+  }
+}
+
+// Whether a task of this shape takes the AMX path (the tiles hold 32 dims and 16 keys at a time).
+inline bool amx_attention(const Shapes& s) {
+  return s.head_dim % 32 == 0 && s.head_dim <= 128 && s.block_size % kKeyTile == 0 && amx_granted();
+}
+
+[[gnu::noinline]] void attend_tile_amx(const float* q, const Bf16* k_cache, const Bf16* v_cache, const int64_t* table,
+                                       const Task& task, const Shapes& s, float scale, float* out, Scratch& scratch) {
+  const int64_t group = s.heads / s.kv_heads, d = s.head_dim, bs = s.block_size;
+  const int64_t mq = task.count * group, tiles = (mq + 15) / 16, ld = tiles * 16;
+  const int64_t keys = task.first_pos + task.count, padded_keys = (keys + kKeyTile - 1) / kKeyTile * kKeyTile;
+  // the query vectors scaled and rounded (rows of d / 2 pairs of dims, zero past mq), then in the B
+  // operand's layout: tile (c, g) is the transpose of the pairs of dims c * 32.. of vectors g * 16..,
+  // pairs[((c * tiles + g) * 16 + j) * 16 + n] = pair c * 16 + j of vector g * 16 + n
+  const int64_t row_pairs = d / 2;
+  scratch.rounded.assign(static_cast<size_t>(ld * row_pairs), 0);
+  scratch.pairs.resize(static_cast<size_t>(ld * row_pairs));
+  for (int64_t m = 0; m < mq; ++m) {
+    const float* src = q + vector_offset(task, s, m);
+    auto* dst = reinterpret_cast<uint16_t*>(scratch.rounded.data() + m * row_pairs);
+#pragma omp simd
+    for (int64_t dim = 0; dim < d; ++dim) dst[dim] = round_to_bf16_bits(src[dim] * scale);
+  }
+  for (int64_t c = 0; c < d / 32; ++c)
+    for (int64_t g = 0; g < tiles; ++g) {
+      const uint32_t* from = scratch.rounded.data() + g * 16 * row_pairs + c * 16;
+      uint32_t* to = scratch.pairs.data() + (c * tiles + g) * 256;
+      for (int64_t j = 0; j < 16; ++j)
+        for (int64_t n = 0; n < 16; ++n) to[j * 16 + n] = from[n * row_pairs + j];
+    }
+  scratch.scores.resize(static_cast<size_t>(padded_keys * ld));
+  float* scores = scratch.scores.data();
+  auto block_of = [&](const Bf16* cache, int64_t b) { return cache + (table[b] * s.kv_heads + task.kv_head) * bs * d; };
+  const int64_t blocks = (keys + bs - 1) / bs;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b + 1 < blocks) prefetch_block(block_of(k_cache, b + 1), bs * d);
+    else prefetch_block(block_of(v_cache, 0), bs * d);
+    const Bf16* block = block_of(k_cache, b);
+    for (int64_t key = b * bs; key < std::min(keys, (b + 1) * bs); key += kKeyTile) {
+      const Bf16* rows = block + (key - b * bs) * d;
+      float* at = scores + key * ld;
+      int64_t g = 0;
+      for (; g + 3 <= tiles; g += 3) amx_key_scores<3>(rows, d, scratch.pairs.data(), tiles, g, at, ld);
+      if (tiles - g == 2) amx_key_scores<2>(rows, d, scratch.pairs.data(), tiles, g, at, ld);
+      if (tiles - g == 1) amx_key_scores<1>(rows, d, scratch.pairs.data(), tiles, g, at, ld);
+    }
+  }
+  // softmax down each column over the keys its query sees (columns past mq see every key: unused)
+  scratch.last_key.resize(static_cast<size_t>(ld));
+  scratch.top.assign(static_cast<size_t>(ld), -3.0e38f);
+  scratch.total.assign(static_cast<size_t>(ld), 0.f);
+  int64_t* last = scratch.last_key.data();
+  float* top = scratch.top.data();
+  float* total = scratch.total.data();
+  for (int64_t m = 0; m < ld; ++m) last[m] = m < mq ? task.first_pos + m / group : keys - 1;
+  for (int64_t key = 0; key < keys; ++key) {
+    const float* row = scores + key * ld;
+#pragma omp simd
+    for (int64_t m = 0; m < ld; ++m) top[m] = key <= last[m] ? std::max(top[m], row[m]) : top[m];
+  }
+  for (int64_t key = 0; key < keys; ++key) {
+    float* row = scores + key * ld;
+#pragma omp simd
+    for (int64_t m = 0; m < ld; ++m) {
+      const float p = key <= last[m] ? fast_exp(row[m] - top[m]) : 0.f;
+      row[m] = p;
+      total[m] += p;
+    }
+  }
+  scratch.out.assign(static_cast<size_t>(mq * d), 0.f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Bf16* values = block_of(v_cache, b);
+    if (b + 1 < blocks) prefetch_block(block_of(v_cache, b + 1), bs * d);
+    const int64_t n = std::min(bs, keys - b * bs);
+    for (int64_t m = 0; m < mq; m += kVectorsPerPass)
+      accumulate_vectors(scores + b * bs * ld + m, ld, values, n, d, std::min<int64_t>(kVectorsPerPass, mq - m),
+                         scratch.out.data() + m * d);
+  }
+  for (int64_t m = 0; m < mq; ++m) {
+    const float inv = 1.f / total[m];
+    float* dst = out + vector_offset(task, s, m);
+    const float* src = scratch.out.data() + m * d;
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) dst[c] = src[c] * inv;
+  }
+}
+#endif  // __AMX_BF16__ && __AVX512F__
 
 // Attention of `task.count` consecutive queries of one row for the query heads of one kv head. Kept
 // out of line: inlined into the OpenMP region, GCC's code for it ran a third slower (measured).
 template <typename T>
 [[gnu::noinline]] void attend_tile(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                                   const Task& task, const Shapes& s, float scale, float* out, Scratch& scratch) {
+                                   const Task& task, const Shapes& s, float scale, bool round_queries, float* out,
+                                   Scratch& scratch) {
   const int64_t group = s.heads / s.kv_heads;
   const int64_t d = s.head_dim;
   const int64_t bs = s.block_size;
@@ -201,13 +382,14 @@ template <typename T>
   scratch.out.assign(static_cast<size_t>(mq * d), 0.f);
   float* queries = scratch.queries.data();
   float* scores = scratch.scores.data();
-  auto offset = [&](int64_t m) {   // of query vector m in q and out
-    return ((task.first_token + m / group) * s.heads + task.kv_head * group + m % group) * d;
-  };
   for (int64_t m = 0; m < mq; ++m) {
-    const float* src = q + offset(m);
+    const float* src = q + vector_offset(task, s, m);
 #pragma omp simd
     for (int64_t c = 0; c < d; ++c) queries[m * d + c] = src[c] * scale;
+    if (round_queries) {
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) queries[m * d + c] = to_float(Bf16{round_to_bf16_bits(queries[m * d + c])});
+    }
   }
   auto block_of = [&](const T* cache, int64_t b) {
     return cache + (table[b] * s.kv_heads + task.kv_head) * bs * d;
@@ -249,22 +431,41 @@ template <typename T>
         accumulate_values(scores + m * keys + b * bs, values, seen, d, scratch.out.data() + m * d);
     }
   }
-  for (int64_t m = 0; m < mq; ++m) std::copy_n(scratch.out.data() + m * d, d, out + offset(m));
+  for (int64_t m = 0; m < mq; ++m) std::copy_n(scratch.out.data() + m * d, d, out + vector_offset(task, s, m));
 }
 
 template <typename T>
 void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache, const T* v_cache,
-               const int64_t* tables, const Shapes& s, float scale, float* out, int threads) {
+               const int64_t* tables, const Shapes& s, float scale, bool round_queries, float* out, int threads) {
   const auto num_tasks = static_cast<int64_t>(tasks.size());
+  bool amx = false;
+#if defined(__AMX_BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, Bf16>) amx = round_queries && amx_attention(s);
+#endif
 #pragma omp parallel num_threads(threads)
   {
     const FlushDenormals flush;
     Scratch scratch;
+#if defined(__AMX_BF16__) && defined(__AVX512F__)
+    if (amx) configure_attention_tiles();
+#endif
 #pragma omp for schedule(monotonic : dynamic)   // monotonic: an entry point libiomp5 has (see native.py)
     for (int64_t t = 0; t < num_tasks; ++t) {
       const Task& task = tasks[t];
-      attend_tile(q, k_cache, v_cache, tables + task.row * s.width, task, s, scale, out, scratch);
+      const int64_t* table = tables + task.row * s.width;
+#if defined(__AMX_BF16__) && defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, Bf16>) {
+        if (amx) {
+          attend_tile_amx(q, k_cache, v_cache, table, task, s, scale, out, scratch);
+          continue;
+        }
+      }
+#endif
+      attend_tile(q, k_cache, v_cache, table, task, s, scale, round_queries, out, scratch);
     }
+#if defined(__AMX_BF16__) && defined(__AVX512F__)
+    if (amx) _tile_release();
+#endif
   }
 }
 
@@ -273,7 +474,7 @@ void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache,
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& starts, const paddle::Tensor& query_lens, float scale,
-                                           int num_threads) {
+                                           bool round_queries, int num_threads) {
   const auto cache_dtype = k_cache.dtype();
   PD_CHECK(q.dtype() == paddle::DataType::FLOAT32 && v_cache.dtype() == cache_dtype &&
                (cache_dtype == paddle::DataType::FLOAT32 || cache_dtype == paddle::DataType::BFLOAT16),
@@ -311,9 +512,11 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const int threads = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>({num_threads, num_tasks, work / kMinWorkPerThread})));
   if (cache_dtype == paddle::DataType::BFLOAT16)
-    run_tasks(tasks, qp, cache_data<Bf16>(k_cache), cache_data<Bf16>(v_cache), tables, s, scale, op, threads);
+    run_tasks(tasks, qp, cache_data<Bf16>(k_cache), cache_data<Bf16>(v_cache), tables, s, scale, round_queries, op,
+              threads);
   else
-    run_tasks(tasks, qp, cache_data<float>(k_cache), cache_data<float>(v_cache), tables, s, scale, op, threads);
+    run_tasks(tasks, qp, cache_data<float>(k_cache), cache_data<float>(v_cache), tables, s, scale, round_queries, op,
+              threads);
   return {out};
 }
 
@@ -332,7 +535,7 @@ std::vector<paddle::DataType> PagedAttentionDtype(const paddle::DataType& q, con
 PD_BUILD_OP(fd_paged_attention)
     .Inputs({"Q", "KCache", "VCache", "BlockTables", "Starts", "QueryLens"})
     .Outputs({"Out"})
-    .Attrs({"scale: float", "num_threads: int"})
+    .Attrs({"scale: float", "round_queries: bool", "num_threads: int"})
     .SetKernelFn(PD_KERNEL(PagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionDtype));

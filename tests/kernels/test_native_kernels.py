@@ -65,21 +65,35 @@ def _rows(rng: np.random.Generator, block_size: int, case: str) -> list[tuple[in
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 2, 32)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 2, 32), (32, 4, 128)])
 @pytest.mark.parametrize("case", ["decode", "prefill", "ragged"])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("cache_dtype", "round_queries"), [("float32", False), ("bfloat16", False),
+                                                            ("bfloat16", True)])
 def test_cpp_attention_matches_the_reference(cpp, block_size: int, heads: int, kv_heads: int, head_dim: int,
-                                             case: str, cache_dtype: str) -> None:
+                                             case: str, cache_dtype: str, round_queries: bool) -> None:
     """A bfloat16 cache: both read the same stored values, widened to float32 (the reference after
-    its gather), so the float32 tolerance holds."""
+    its gather), so the float32 tolerance holds. Rounded queries: both multiply the same rounded
+    values (the C++ kernel on AMX tiles where built in, for head sizes of whole tiles), summed in
+    another order."""
     rng = np.random.default_rng(block_size * 1000 + heads * 10 + len(case))
     attn = _step(rng, _rows(rng, block_size, case), block_size, heads, kv_heads)
     k_cache = _random(rng, NUM_BLOCKS, kv_heads, block_size, head_dim).astype(cache_dtype)
     v_cache = _random(rng, NUM_BLOCKS, kv_heads, block_size, head_dim).astype(cache_dtype)
     q = _random(rng, attn.num_tokens, heads, head_dim) * (1 / np.sqrt(head_dim))
-    want = pa.attention_reference(q, k_cache, v_cache, attn).numpy()
-    got = cpp["attention"](q, k_cache, v_cache, attn).numpy()
+    want = pa.attention_reference(q, k_cache, v_cache, attn, round_queries=round_queries).numpy()
+    got = cpp["attention"](q, k_cache, v_cache, attn, round_queries=round_queries).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_rounded_queries_change_the_result(cpp) -> None:
+    """The rounding is really applied (by both variants): the outputs move by about bfloat16's step."""
+    rng = np.random.default_rng(7)
+    attn = _step(rng, _rows(rng, 16, "ragged"), 16, 9, 3)
+    k_cache, v_cache = (_random(rng, NUM_BLOCKS, 3, 16, 64).astype("bfloat16") for _ in range(2))
+    q = _random(rng, attn.num_tokens, 9, 64)
+    for variant in (pa.attention_reference, cpp["attention"]):
+        exact, rounded = (variant(q, k_cache, v_cache, attn, round_queries=r).numpy() for r in (False, True))
+        assert 1e-4 < np.abs(exact - rounded).max() < 5e-2
 
 
 @pytest.mark.parametrize("block_size", [16, 64])

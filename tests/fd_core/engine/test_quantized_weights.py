@@ -16,7 +16,7 @@ from fd_core.engine.llm import LLM
 from fd_core.errors import ConfigError
 from fd_core.model.kernels import select_kernels
 from fd_core.request import SamplingParams
-from fd_core.testing.tiny_model import write_tiny_gguf
+from fd_core.testing.tiny_model import make_tiny_llama, write_tiny_gguf
 from fd_plugins.platforms.cpu import CpuPlatform
 
 PROMPTS = [[5, 6, 7, 8] * 10, [9, 10, 11], list(range(40, 140))]
@@ -36,9 +36,10 @@ def tiny_gguf(tiny_model_dir, tmp_path_factory) -> str:
 
 
 def _llm(source: str, quantized_weights: str, linear_weights: str = "float32", linear_inputs: str = "float32",
-         **cache: bool) -> LLM:
+         attention_inputs: str = "float32", **cache: bool | str) -> LLM:
     return LLM(config=load_config(model={"source": source, "quantized_weights": quantized_weights,
-                                         "linear_weights": linear_weights, "linear_inputs": linear_inputs},
+                                         "linear_weights": linear_weights, "linear_inputs": linear_inputs,
+                                         "attention_inputs": attention_inputs},
                                   cache={"num_blocks": 64, **cache}))
 
 
@@ -80,10 +81,18 @@ def test_the_fused_layer_equals_the_op_by_op_layer_exactly(tiny_gguf, prompts: l
     assert _all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("linear_inputs", ["float32", "bfloat16"])   # bfloat16: AMX tiles where the CPU has them
-def test_bfloat16_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_model_dir, linear_inputs: str) -> None:
+# bfloat16 inputs: AMX tiles where the CPU has them; bfloat16 queries too, on heads of 32 dims (whole tiles)
+@pytest.mark.parametrize(("linear_inputs", "attention_inputs"), [("float32", "float32"), ("bfloat16", "float32"),
+                                                                 ("bfloat16", "bfloat16")])
+def test_bfloat16_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_model_dir, tmp_path, linear_inputs: str,
+                                                                        attention_inputs: str) -> None:
     _needs_cpp_kernels()
-    llm = _llm(tiny_model_dir, "dequantize", "bfloat16", linear_inputs, enable_prefix_caching=False)
+    if attention_inputs == "float32":
+        llm = _llm(tiny_model_dir, "dequantize", "bfloat16", linear_inputs, enable_prefix_caching=False)
+    else:
+        source = str(make_tiny_llama(tmp_path / "model", heads=2, kv_heads=1, vocab=512, max_position_embeddings=512))
+        llm = _llm(source, "dequantize", "bfloat16", linear_inputs, attention_inputs, enable_prefix_caching=False,
+                   dtype="bfloat16")
     model = llm.engine.runner.model
     assert all(layer.fused is not None and layer.qkv.bits == 16 for layer in model.layers)
     assert all(layer.fused[3] == (linear_inputs == "bfloat16") for layer in model.layers)

@@ -10,12 +10,12 @@ from fd_core.request import Request
 
 
 def tiny_arch(*, tie: bool = False, bias: bool = False, layers: int = 3,
-              rope_theta: float = 50000.0) -> LlamaArchConfig:
+              rope_theta: float = 50000.0, head_dim: int = 16) -> LlamaArchConfig:
     """A Llama (or Qwen2, with ``bias``) shape small enough to run in milliseconds."""
     return LlamaArchConfig(
         architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM",
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512,
         rms_norm_eps=1e-6, rope_theta=rope_theta, tie_word_embeddings=tie, attention_bias=bias,
     )
 
