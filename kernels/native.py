@@ -297,10 +297,12 @@ def prepare_rope_write_kv(capabilities: Collection[str]) -> Callable[..., Any]:
     """The C++ ``rope_write_kv`` variant: one op per layer rotates q and k and writes k and v
     into the cache (see ``fd_kernels.paged_attention.rope_write_kv_reference`` for the contract)."""
     op = load_native(capabilities).fd_rope_write_kv
+    threads = _threads()
 
     def rope_write_kv_cpp(cos: Any, sin: Any, attn: Any, num_heads: int) -> Callable[[Any, Any, Any], Any]:
         def layer(qkv: Any, k_cache: Any, v_cache: Any) -> Any:
-            return op(qkv, attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor, num_heads)[0]
+            return op(qkv, attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor, num_heads,
+                      threads)[0]
 
         return layer
 

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 #: How the float32 projections and head may be stored (``linear_weights``).
 LINEAR_WEIGHTS: tuple[str, ...] = ("float32", "bfloat16")
+#: Rows of one MLP chunk in steps with more (see LlamaForCausalLM._mlp).
+MLP_ROWS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,17 @@ class LlamaForCausalLM:
         self.rope_cos = tensor(cos)
         self.rope_sin = tensor(sin)
 
+    def _mlp(self, h: paddle.Tensor, layer: _LayerWeights) -> paddle.Tensor:
+        """down(swiglu(gate_up(h))), in chunks of MLP_ROWS rows: a chunk's gate/up activations
+        (rows x 2 x intermediate floats) stay in the CPU's cache on their way into SwiGLU instead
+        of a whole prefill step's going out to memory and back."""
+        linear, swiglu = self.kernels.linear, self.kernels.swiglu
+        rows = h.shape[0]
+        if rows <= MLP_ROWS:
+            return linear(swiglu(linear(h, layer.gate_up)), layer.down)
+        return paddle.concat([linear(swiglu(linear(h[at:at + MLP_ROWS], layer.gate_up)), layer.down)
+                              for at in range(0, rows, MLP_ROWS)])
+
     def _norm(self, x: paddle.Tensor, weight: paddle.Tensor,
               residual: paddle.Tensor | None) -> tuple[paddle.Tensor, paddle.Tensor]:
         """RMSNorm of ``x + residual``; returns (normed, the new residual stream)."""
@@ -189,7 +202,7 @@ class LlamaForCausalLM:
             out = attention(q, cache.key, cache.value, attn, round_queries=self.round_queries)
             x = linear(out.reshape([num_tokens, heads * head_dim]), layer.o)
             h, residual = self._norm(x, layer.post_norm, residual)
-            x = linear(self.kernels.swiglu(linear(h, layer.gate_up)), layer.down)
+            x = self._mlp(h, layer)
         if attn.sample_indices.shape[0] == 0:
             return paddle.zeros([0, arch.vocab_size], dtype="float32")
         # Only sampled rows need the final norm and the (large) vocabulary projection.

@@ -49,7 +49,7 @@ std::vector<paddle::Tensor> DecoderLayer(const paddle::Tensor& x, const paddle::
   auto normed = RmsNorm(x, residual, input_norm, eps, has_residual, num_threads);
   auto qkv = linear(0, normed[0]);
   paddle::experimental::reshape_(qkv, {tokens, widths[0] / head_dim, head_dim});
-  auto q = RopeWriteKv(qkv, positions, cos, sin, k_cache, v_cache, slots, num_heads)[0];
+  auto q = RopeWriteKv(qkv, positions, cos, sin, k_cache, v_cache, slots, num_heads, num_threads)[0];
   auto attended = PagedAttention(q, k_cache, v_cache, row_tables, row_starts, row_lens, 1.0f, round_queries,
                                  num_threads)[0];
   paddle::experimental::reshape_(attended, {tokens, static_cast<int64_t>(num_heads) * head_dim});

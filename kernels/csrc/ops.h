@@ -13,7 +13,7 @@ std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tenso
 std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle::Tensor& positions,
                                         const paddle::Tensor& cos, const paddle::Tensor& sin,
                                         paddle::Tensor& k_cache, paddle::Tensor& v_cache,
-                                        const paddle::Tensor& slots, int num_heads);
+                                        const paddle::Tensor& slots, int num_heads, int num_threads);
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& starts, const paddle::Tensor& query_lens, float scale,

@@ -190,7 +190,7 @@ inline void prefetch_block(const T* block, int64_t elements) {
 // Per-thread buffers of a task, reused across tasks.
 struct Scratch {
   std::vector<float> queries, scores, out, top, total;
-  std::vector<int64_t> last_key;
+  std::vector<int32_t> last_key;
   std::vector<uint32_t> rounded, pairs;
 };
 
@@ -325,24 +325,42 @@ inline bool amx_attention(const Shapes& s) {
       if (tiles - g == 1) amx_key_scores<1>(rows, d, scratch.pairs.data(), tiles, g, at, ld);
     }
   }
-  // softmax down each column over the keys its query sees (columns past mq see every key: unused)
+  // softmax down each column over the keys its query sees: all of the first first_pos + 1, then up
+  // to its own position (columns past mq see every key: unused)
   scratch.last_key.resize(static_cast<size_t>(ld));
   scratch.top.assign(static_cast<size_t>(ld), -3.0e38f);
   scratch.total.assign(static_cast<size_t>(ld), 0.f);
-  int64_t* last = scratch.last_key.data();
+  int32_t* last = scratch.last_key.data();
   float* top = scratch.top.data();
   float* total = scratch.total.data();
-  for (int64_t m = 0; m < ld; ++m) last[m] = m < mq ? task.first_pos + m / group : keys - 1;
-  for (int64_t key = 0; key < keys; ++key) {
+  for (int64_t m = 0; m < ld; ++m) last[m] = static_cast<int32_t>(m < mq ? task.first_pos + m / group : keys - 1);
+  const int64_t seen_by_all = task.first_pos + 1;
+  for (int64_t key = 0; key < seen_by_all; ++key) {
     const float* row = scores + key * ld;
 #pragma omp simd
-    for (int64_t m = 0; m < ld; ++m) top[m] = key <= last[m] ? std::max(top[m], row[m]) : top[m];
+    for (int64_t m = 0; m < ld; ++m) top[m] = std::max(top[m], row[m]);
   }
-  for (int64_t key = 0; key < keys; ++key) {
+  for (int64_t key = seen_by_all; key < keys; ++key) {
+    const float* row = scores + key * ld;
+    const auto k32 = static_cast<int32_t>(key);
+#pragma omp simd
+    for (int64_t m = 0; m < ld; ++m) top[m] = k32 <= last[m] ? std::max(top[m], row[m]) : top[m];
+  }
+  for (int64_t key = 0; key < seen_by_all; ++key) {
     float* row = scores + key * ld;
 #pragma omp simd
     for (int64_t m = 0; m < ld; ++m) {
-      const float p = key <= last[m] ? fast_exp(row[m] - top[m]) : 0.f;
+      const float p = fast_exp(row[m] - top[m]);
+      row[m] = p;
+      total[m] += p;
+    }
+  }
+  for (int64_t key = seen_by_all; key < keys; ++key) {
+    float* row = scores + key * ld;
+    const auto k32 = static_cast<int32_t>(key);
+#pragma omp simd
+    for (int64_t m = 0; m < ld; ++m) {
+      const float p = k32 <= last[m] ? fast_exp(row[m] - top[m]) : 0.f;
       row[m] = p;
       total[m] += p;
     }

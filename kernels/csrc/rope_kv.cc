@@ -11,6 +11,7 @@
 // rotate(x)[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i]: Hugging Face's non-interleaved
 // rotate_half convention.
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -27,27 +28,44 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
   for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-// Rotate every token's q heads into q, and its k heads (rotated) and v heads into the cache.
+// A row of d floats into the cache's element type (bfloat16: rounded to nearest even).
+inline void store_row(const float* x, int64_t d, float* out) { std::copy_n(x, d, out); }
+inline void store_row(const float* x, int64_t d, Bf16* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i].bits = round_to_bf16_bits(x[i]);
+}
+
+constexpr int64_t kMinValuesPerThread = 1 << 16;   // floats of qkv that pay for a thread
+
+// Rotate every token's q heads into q, and its k heads (rotated) and v heads into the cache;
+// positions and slots are checked first, tokens are spread over threads when there are enough.
 template <typename T>
 void rope_write(const float* in, const int64_t* pos, const int64_t* slot, const float* cp, const float* sp,
                 float* qp, T* kp, T* vp, int64_t tokens, int64_t width, int64_t num_heads, int64_t kv_heads,
-                int64_t d, int64_t block_size, int64_t max_pos, int64_t cache_rows) {
-  std::vector<float> rotated(static_cast<size_t>(d));
+                int64_t d, int64_t block_size, int64_t max_pos, int64_t cache_rows, int num_threads) {
   for (int64_t t = 0; t < tokens; ++t) {
     PD_CHECK(pos[t] >= 0 && pos[t] < max_pos, "fd_rope_write_kv: position ", pos[t], " outside the table");
-    const float* c = cp + pos[t] * d;
-    const float* s = sp + pos[t] * d;
-    const float* row = in + t * width * d;
-    for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * d, c, s, d, qp + (t * num_heads + h) * d);
-    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t at = (block * kv_heads + h) * block_size + offset;
-      PD_CHECK(at >= 0 && at < cache_rows, "fd_rope_write_kv: slot ", slot[t], " outside the cache");
-      rotate(row + (num_heads + h) * d, c, s, d, rotated.data());
-      const float* v = row + (num_heads + kv_heads + h) * d;
-      for (int64_t i = 0; i < d; ++i) {
-        kp[at * d + i] = from_float<T>(rotated[i]);
-        vp[at * d + i] = from_float<T>(v[i]);
+    const int64_t first = (slot[t] / block_size * kv_heads) * block_size + slot[t] % block_size;
+    PD_CHECK(slot[t] >= 0 && first + (kv_heads - 1) * block_size < cache_rows, "fd_rope_write_kv: slot ", slot[t],
+             " outside the cache");
+  }
+  const int threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(num_threads, tokens * width * d / kMinValuesPerThread)));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> rotated(static_cast<size_t>(d));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* c = cp + pos[t] * d;
+      const float* s = sp + pos[t] * d;
+      const float* row = in + t * width * d;
+      for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * d, c, s, d, qp + (t * num_heads + h) * d);
+      const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t at = (block * kv_heads + h) * block_size + offset;
+        rotate(row + (num_heads + h) * d, c, s, d, rotated.data());
+        store_row(rotated.data(), d, kp + at * d);
+        store_row(row + (num_heads + kv_heads + h) * d, d, vp + at * d);
       }
     }
   }
@@ -58,7 +76,7 @@ void rope_write(const float* in, const int64_t* pos, const int64_t* slot, const 
 std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle::Tensor& positions,
                                         const paddle::Tensor& cos, const paddle::Tensor& sin,
                                         paddle::Tensor& k_cache, paddle::Tensor& v_cache,
-                                        const paddle::Tensor& slots, int num_heads) {
+                                        const paddle::Tensor& slots, int num_heads, int num_threads) {
   const auto cache_dtype = k_cache.dtype();
   PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32 && cos.dtype() == paddle::DataType::FLOAT32 &&
                v_cache.dtype() == cache_dtype &&
@@ -82,10 +100,10 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
   const int64_t cache_rows = cs[0] * kv_heads * block_size;
   if (cache_dtype == paddle::DataType::BFLOAT16)
     rope_write(in, pos, slot, cp, sp, qp, mutable_cache_data<Bf16>(k_cache), mutable_cache_data<Bf16>(v_cache), tokens,
-               shape[1], num_heads, kv_heads, d, block_size, max_pos, cache_rows);
+               shape[1], num_heads, kv_heads, d, block_size, max_pos, cache_rows, num_threads);
   else
     rope_write(in, pos, slot, cp, sp, qp, mutable_cache_data<float>(k_cache), mutable_cache_data<float>(v_cache),
-               tokens, shape[1], num_heads, kv_heads, d, block_size, max_pos, cache_rows);
+               tokens, shape[1], num_heads, kv_heads, d, block_size, max_pos, cache_rows, num_threads);
   return {q};
 }
 
@@ -93,7 +111,7 @@ std::vector<std::vector<int64_t>> RopeWriteKvShape(const std::vector<int64_t>& q
                                                    const std::vector<int64_t>&, const std::vector<int64_t>&,
                                                    const std::vector<int64_t>& k_cache,
                                                    const std::vector<int64_t>& v_cache,
-                                                   const std::vector<int64_t>&, int num_heads) {
+                                                   const std::vector<int64_t>&, int num_heads, int) {
   return {{qkv[0], num_heads, qkv[2]}, k_cache, v_cache};
 }
 
@@ -107,7 +125,7 @@ std::vector<paddle::DataType> RopeWriteKvDtype(const paddle::DataType& qkv, cons
 PD_BUILD_OP(fd_rope_write_kv)
     .Inputs({"QKV", "Positions", "Cos", "Sin", "KCache", "VCache", "Slots"})
     .Outputs({"Q", "KCacheOut", "VCacheOut"})
-    .Attrs({"num_heads: int"})
+    .Attrs({"num_heads: int", "num_threads: int"})
     .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
     .SetKernelFn(PD_KERNEL(RopeWriteKv))
     .SetInferShapeFn(PD_INFER_SHAPE(RopeWriteKvShape))

@@ -131,3 +131,21 @@ def test_the_portable_kernels_run_block_quantized_weights_as_float32(tiny_gguf) 
     assert model.layers[0].fused is None
     qkv_weight, transposed, _ = model.layers[0].qkv
     assert transposed and qkv_weight.shape == [arch.num_attention_heads * arch.head_dim * 2, arch.hidden_size]
+
+
+def test_a_step_s_mlp_in_row_chunks_equals_the_whole_step(tiny_model_dir, monkeypatch) -> None:
+    """The prefill step here (143 rows) runs op by op: its MLP cut into chunks of 7 rows gives the
+    same tokens and log-probabilities, to the bit (bfloat16 panels: each row's sums in one order)."""
+    from fd_core.model import llama
+
+    _needs_cpp_kernels()
+    llm = _llm(tiny_model_dir, "dequantize", "bfloat16", enable_prefix_caching=False)
+    whole = _answers(llm)
+    monkeypatch.setattr(llama, "MLP_ROWS", 7)
+    calls = []
+    real_mlp = llama.LlamaForCausalLM._mlp
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_mlp", lambda self, h, layer: calls.append(h.shape[0])
+                        or real_mlp(self, h, layer))
+    assert _answers(llm) == whole
+    assert max(calls) > 7   # the long step went through the chunked MLP
+    assert _all_blocks_free(llm)
