@@ -37,6 +37,7 @@
 #include <immintrin.h>
 #endif
 #include "amx.h"
+#include "bf16.h"
 #include "mkl_api.h"
 #include "ops.h"
 #include "paddle/extension.h"
@@ -107,21 +108,6 @@ constexpr int64_t kKStep = 32;   // one AMX tile row: 32 bfloat16 values of k
 #else
 constexpr int64_t kKStep = 2;
 #endif
-
-// Round to bfloat16, nearest even (NaN: the quiet NaN).
-inline uint16_t to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-inline float from_bf16(uint16_t half) {
-  const uint32_t bits = static_cast<uint32_t>(half) << 16;
-  float value;
-  std::memcpy(&value, &bits, 4);
-  return value;
-}
 
 int64_t panels_of(int64_t n) { return (n + kLanes - 1) / kLanes; }
 int64_t padded_k(int64_t k) { return (k + kKStep - 1) / kKStep * kKStep; }
@@ -246,16 +232,18 @@ void configure_tiles(int rows) {
   } while (0)
 
 // One block of 1-2 row tiles by 1-2 panels over the whole of k: `a` the rounded rows (kp apart),
-// `w` the first panel; `rows[b]`/`cols[p]` how many of the block's rows and features exist.
+// `w` the first panel; `rows[b]`/`cols[p]` how many of the block's rows and features exist. Each
+// step over k also asks for `ahead_step` bytes from `ahead` on (the next task's panels) into L2.
 template <int RowTiles, int PanelTiles>
 void amx_block(const uint16_t* a, int64_t kp, int tile_rows, const uint16_t* w, int64_t panel_stride, float* y,
-               int64_t ldy, const int rows[2], const int cols[2]) {
+               int64_t ldy, const int rows[2], const int cols[2], const char* ahead, int64_t ahead_step) {
   _tile_zero(0);
   if constexpr (PanelTiles > 1) _tile_zero(1);
   if constexpr (RowTiles > 1) _tile_zero(2);
   if constexpr (RowTiles > 1 && PanelTiles > 1) _tile_zero(3);
   const uint16_t* a1 = a + tile_rows * kp;
   for (int64_t i = 0; i < kp; i += kKStep) {
+    for (int64_t at = 0; at < ahead_step; at += 64) _mm_prefetch(ahead + i / kKStep * ahead_step + at, _MM_HINT_T1);
     _tile_loadd(4, a + i, kp * 2);
     _tile_loadd(6, w + i * kLanes, 64);
     if constexpr (PanelTiles > 1) _tile_loadd(7, w + panel_stride + i * kLanes, 64);
@@ -277,13 +265,13 @@ void amx_block(const uint16_t* a, int64_t kp, int tile_rows, const uint16_t* w, 
 #undef FD_STORE_TILE
 
 using AmxBlock = void (*)(const uint16_t*, int64_t, int, const uint16_t*, int64_t, float*, int64_t, const int*,
-                          const int*);
+                          const int*, const char*, int64_t);
 
 // An OpenMP task of amx_linear: up to kAmxRowBlocks x kAmxPanelBlocks blocks (256 rows by 8 panels),
 // panel by panel over its rows, so that both its rows and its panels stay in L2 (one block at a
 // time over the whole weight read it again from L3 for every 32 rows: measured 894 -> 984 GFLOP/s
 // on a 2048-row gate/up on the AMX Xeon, 1006 -> 1274 at 64 rows).
-constexpr int64_t kAmxRowBlocks = 8, kAmxPanelBlocks = 4;
+constexpr int64_t kAmxRowBlocks = 8, kAmxPanelBlocks = 4, kMinRowBlocksToPrefetch = 4;
 
 // y = round(x) @ B on AMX tiles: x rounded into a [rows (padded to whole tiles), kp] bfloat16
 // buffer this thread keeps, then blocks of two row tiles by two panels, in tasks of kAmxRowBlocks x
@@ -301,7 +289,8 @@ void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed,
     for (int64_t r = 0; r < row_tiles * tile_rows; ++r) {
       uint16_t* row = a + r * kp;
       if (r < rows) {
-        for (int64_t i = 0; i < k; ++i) row[i] = to_bf16(x[r * k + i]);
+#pragma omp simd
+        for (int64_t i = 0; i < k; ++i) row[i] = round_to_bf16_bits(x[r * k + i]);
         std::fill(row + k, row + kp, 0);
       } else {
         std::fill(row, row + kp, 0);
@@ -313,9 +302,22 @@ void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed,
     const int64_t panel_groups = (panel_blocks + kAmxPanelBlocks - 1) / kAmxPanelBlocks;
 #pragma omp for schedule(static) collapse(2)
     for (int64_t rg = 0; rg < row_groups; ++rg)
-      for (int64_t pg = 0; pg < panel_groups; ++pg)
-        for (int64_t pb = pg * kAmxPanelBlocks; pb < std::min(panel_blocks, (pg + 1) * kAmxPanelBlocks); ++pb)
-          for (int64_t rb = rg * kAmxRowBlocks; rb < std::min(row_blocks, (rg + 1) * kAmxRowBlocks); ++rb) {
+      for (int64_t pg = 0; pg < panel_groups; ++pg) {
+        // the panels of this thread's next task (pg + 1), fetched into L2 while this one computes:
+        // otherwise a task's first pass over its panels waits on memory. Not in tasks of few rows
+        // (a decode step): there the panels stream from memory anyway, and the prefetches only
+        // compete with them (measured slower at 1 and 64 rows on the AMX Xeon)
+        const int64_t pb_end = std::min(panel_blocks, (pg + 1) * kAmxPanelBlocks);
+        const int64_t rb_end = std::min(row_blocks, (rg + 1) * kAmxRowBlocks);
+        const bool prefetch = rb_end - rg * kAmxRowBlocks >= kMinRowBlocksToPrefetch;
+        const int64_t next_panels = prefetch ? std::clamp<int64_t>(panels - pb_end * 2, 0, kAmxPanelBlocks * 2) : 0;
+        const int64_t blocks = (pb_end - pg * kAmxPanelBlocks) * (rb_end - rg * kAmxRowBlocks);
+        const int64_t ahead_block = (next_panels * panel_stride * 2 / blocks + 63) / 64 * 64;
+        const int64_t ahead_step = next_panels > 0 ? (ahead_block / (kp / kKStep) + 63) / 64 * 64 : 0;
+        const char* ahead = reinterpret_cast<const char*>(packed + pb_end * 2 * panel_stride);
+        int64_t block_index = 0;
+        for (int64_t pb = pg * kAmxPanelBlocks; pb < pb_end; ++pb)
+          for (int64_t rb = rg * kAmxRowBlocks; rb < rb_end; ++rb, ++block_index) {
             const int64_t r0 = rb * 2 * tile_rows, p0 = pb * 2;
             const int block_rows[2] = {static_cast<int>(std::clamp<int64_t>(rows - r0, 0, tile_rows)),
                                        static_cast<int>(std::clamp<int64_t>(rows - r0 - tile_rows, 0, tile_rows))};
@@ -327,8 +329,10 @@ void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed,
             float* out = y + r0 * n + p0 * kLanes;
             const AmxBlock block = two_rows ? (two_panels ? amx_block<2, 2> : amx_block<2, 1>)
                                             : (two_panels ? amx_block<1, 2> : amx_block<1, 1>);
-            block(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols);
+            block(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols,
+                  ahead + block_index * ahead_step * (kp / kKStep), ahead_step);
           }
+      }
     _tile_release();
   }
 }
@@ -340,8 +344,8 @@ const float* rounded_copy(const float* x, int64_t count, int threads) {
   thread_local std::vector<float> rounded;
   rounded.resize(static_cast<size_t>(count));
   float* out = rounded.data();
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < count; ++i) out[i] = from_bf16(to_bf16(x[i]));
+#pragma omp parallel for simd num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < count; ++i) out[i] = widen_bf16_bits(round_to_bf16_bits(x[i]));
   return out;
 }
 
@@ -361,7 +365,7 @@ std::vector<paddle::Tensor> PackBf16(const paddle::Tensor& weight, bool transpos
         const int64_t j = p * kLanes + f;
         const bool inside = j < n && i < k;
         dst[((p * kp + i - i % 2) * kLanes) + 2 * f + i % 2] =
-            inside ? to_bf16(src[transposed ? j * cols + i : i * cols + j]) : 0;
+            inside ? round_to_bf16_bits(src[transposed ? j * cols + i : i * cols + j]) : 0;
       }
   return {packed};
 }

@@ -1,7 +1,6 @@
 // Element types of the paged KV cache: float32, or bfloat16 (fp32 math, half the memory traffic).
 //
-// A bfloat16 is the upper 16 bits of a float32: widening is a shift, narrowing rounds to nearest
-// even (NaN stays NaN). load8 widens eight consecutive elements into an AVX register.
+// bfloat16 conversions: bf16.h. load8 / load16 widen consecutive elements into an AVX register.
 
 #pragma once
 
@@ -12,6 +11,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "paddle/extension.h"
 
 struct Bf16 {
@@ -20,33 +20,14 @@ struct Bf16 {
 static_assert(sizeof(Bf16) == sizeof(paddle::bfloat16), "bfloat16 is 16 bits");
 
 inline float to_float(float x) { return x; }
-inline float to_float(Bf16 x) {
-  const uint32_t wide = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
+inline float to_float(Bf16 x) { return widen_bf16_bits(x.bits); }
 
 template <typename T>
 inline T from_float(float x);
 template <>
 inline float from_float<float>(float x) { return x; }
 template <>
-inline Bf16 from_float<Bf16>(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return Bf16{static_cast<uint16_t>((u >> 16) | 0x40)};   // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return Bf16{static_cast<uint16_t>(u >> 16)};
-}
-
-// from_float<Bf16>'s bits without a branch, for loops the compiler vectorises.
-inline uint16_t round_to_bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
-}
+inline Bf16 from_float<Bf16>(float x) { return Bf16{round_to_bf16_bits(x)}; }
 
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
