@@ -51,6 +51,14 @@ def generate(n):
 """
 
 _LLAMACPP_SETUP = """
+import llama_cpp
+if {plain_buffers}:   # no AMX / repacked weight buffers: llama.cpp's plain CPU kernels
+    _defaults = llama_cpp.llama_model_default_params
+    def _plain():
+        params = _defaults()
+        params.use_extra_bufts = False
+        return params
+    llama_cpp.llama_model_default_params = llama_cpp.llama.llama_cpp.llama_model_default_params = _plain
 from llama_cpp import Llama
 llm = Llama(model_path={model!r}, n_threads={threads}, n_threads_batch={threads}, n_ctx=2048, n_batch=512,
             verbose=False, seed=0)
@@ -78,6 +86,9 @@ def main() -> int:
                         help='fd-engine with these config sections (default: fp32={} and '
                              'keep={"model": {"quantized_weights": "keep"}})')
     parser.add_argument("--llamacpp-venv", type=Path)
+    parser.add_argument("--llamacpp-plain-buffers", action="store_true",
+                        help="load llama.cpp's weights without its extra buffer types (AMX, repacked): "
+                             "llama-cpp-python 0.3.36's AMX path crashed in generation on an AMX Xeon")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -92,7 +103,8 @@ def main() -> int:
     for label, _, sections in (v.partition("=") for v in variants):
         results[f"fd-engine {label}"] = _run(sys.executable, _FD_SETUP.format(sections=sections, model=args.model), args)
     if args.llamacpp_venv:
-        setup = _LLAMACPP_SETUP.format(model=args.model, threads=len(os.sched_getaffinity(0)))
+        setup = _LLAMACPP_SETUP.format(model=args.model, threads=len(os.sched_getaffinity(0)),
+                                       plain_buffers=args.llamacpp_plain_buffers)
         results["llama.cpp"] = _run(str(args.llamacpp_venv / "bin" / "python"), setup, args)
     from fd_plugins.platforms.cpu_features import probe_cpu_features
 
