@@ -76,9 +76,10 @@ inline void scores_4keys(const float* q, const T* k, int64_t d, float* scores, i
 #endif
 
 #if defined(__AVX512F__)
-// out[g * d + c] += sum over j < n of p[g * p_stride + j] * v_j[c] for the G query heads sharing one
-// kv head (d % 16 == 0, d <= 128): each value row is read (and widened) once for all G of them.
-template <int G, typename T>
+// out[g * d + c] += sum over j < n of w(g, j) * v_j[c] for G query vectors that see the same keys
+// (d % 16 == 0): each value row is read (and widened) once for all G. The weights w(g, j) are
+// p[g * p_stride + j], or p[j * p_stride + g] when KeyMajor (the AMX path's transposed scores).
+template <int G, bool KeyMajor, typename T>
 void accumulate_values_grouped(const float* p, int64_t p_stride, const T* v, int64_t n, int64_t d, float* out) {
   for (int64_t c = 0; c < d; c += 64) {
     const int chunks = static_cast<int>(std::min<int64_t>(4, (d - c) / 16));
@@ -89,7 +90,7 @@ void accumulate_values_grouped(const float* p, int64_t p_stride, const T* v, int
       __m512 row[4];
       for (int u = 0; u < chunks; ++u) row[u] = load16(v + j * d + c + 16 * u);
       for (int g = 0; g < G; ++g) {
-        const __m512 weight = _mm512_set1_ps(p[g * p_stride + j]);
+        const __m512 weight = _mm512_set1_ps(KeyMajor ? p[j * p_stride + g] : p[g * p_stride + j]);
         for (int u = 0; u < chunks; ++u) acc[g][u] = _mm512_fmadd_ps(weight, row[u], acc[g][u]);
       }
     }
@@ -163,10 +164,10 @@ bool accumulate_group(const float* p, int64_t p_stride, const T* v, int64_t n, i
 #if defined(__AVX512F__)
   if (d % 16 != 0 || d > 128) return false;
   switch (group) {
-    case 1: accumulate_values_grouped<1>(p, p_stride, v, n, d, out); return true;
-    case 2: accumulate_values_grouped<2>(p, p_stride, v, n, d, out); return true;
-    case 3: accumulate_values_grouped<3>(p, p_stride, v, n, d, out); return true;
-    case 4: accumulate_values_grouped<4>(p, p_stride, v, n, d, out); return true;
+    case 1: accumulate_values_grouped<1, false>(p, p_stride, v, n, d, out); return true;
+    case 2: accumulate_values_grouped<2, false>(p, p_stride, v, n, d, out); return true;
+    case 3: accumulate_values_grouped<3, false>(p, p_stride, v, n, d, out); return true;
+    case 4: accumulate_values_grouped<4, false>(p, p_stride, v, n, d, out); return true;
     default: return false;
   }
 #else
@@ -244,38 +245,17 @@ void amx_key_scores(const Bf16* keys, int64_t d, const uint32_t* pairs, int64_t 
   if constexpr (G > 2) _tile_stored(2, s + g0 * 16 + 32, ld * 4);
 }
 
-// out[m * d + c] += sum over j < n of p[j * ld + m] * v_j[c] for MB query vectors (m < MB), each
-// value row read and widened once for all of them.
-template <int MB>
-void accumulate_key_major(const float* p, int64_t ld, const Bf16* v, int64_t n, int64_t d, float* out) {
-  for (int64_t c = 0; c < d; c += 64) {
-    const int chunks = static_cast<int>(std::min<int64_t>(4, (d - c) / 16));
-    __m512 acc[MB][4];
-    for (int m = 0; m < MB; ++m)
-      for (int u = 0; u < chunks; ++u) acc[m][u] = _mm512_loadu_ps(out + m * d + c + 16 * u);
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 row[4];
-      for (int u = 0; u < chunks; ++u) row[u] = load16(v + j * d + c + 16 * u);
-      for (int m = 0; m < MB; ++m) {
-        const __m512 weight = _mm512_set1_ps(p[j * ld + m]);
-        for (int u = 0; u < chunks; ++u) acc[m][u] = _mm512_fmadd_ps(weight, row[u], acc[m][u]);
-      }
-    }
-    for (int m = 0; m < MB; ++m)
-      for (int u = 0; u < chunks; ++u) _mm512_storeu_ps(out + m * d + c + 16 * u, acc[m][u]);
-  }
-}
-
 constexpr int kVectorsPerPass = 6;   // 24 accumulators, 4 value vectors and a weight: 29 registers
 
+// accumulate_values_grouped over `count` (<= kVectorsPerPass) columns of key-major weights (ld apart).
 void accumulate_vectors(const float* p, int64_t ld, const Bf16* v, int64_t n, int64_t d, int64_t count, float* out) {
   switch (count) {
-    case 1: return accumulate_key_major<1>(p, ld, v, n, d, out);
-    case 2: return accumulate_key_major<2>(p, ld, v, n, d, out);
-    case 3: return accumulate_key_major<3>(p, ld, v, n, d, out);
-    case 4: return accumulate_key_major<4>(p, ld, v, n, d, out);
-    case 5: return accumulate_key_major<5>(p, ld, v, n, d, out);
-    default: return accumulate_key_major<kVectorsPerPass>(p, ld, v, n, d, out);
+    case 1: return accumulate_values_grouped<1, true>(p, ld, v, n, d, out);
+    case 2: return accumulate_values_grouped<2, true>(p, ld, v, n, d, out);
+    case 3: return accumulate_values_grouped<3, true>(p, ld, v, n, d, out);
+    case 4: return accumulate_values_grouped<4, true>(p, ld, v, n, d, out);
+    case 5: return accumulate_values_grouped<5, true>(p, ld, v, n, d, out);
+    default: return accumulate_values_grouped<kVectorsPerPass, true>(p, ld, v, n, d, out);
   }
 }
 
