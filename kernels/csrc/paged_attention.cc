@@ -190,7 +190,7 @@ inline void prefetch_block(const T* block, int64_t elements) {
 
 // Per-thread buffers of a task, reused across tasks.
 struct Scratch {
-  std::vector<float> queries, scores, out, top, total;
+  std::vector<float> queries, scores, out, total;
   std::vector<int32_t> last_key;
   std::vector<uint32_t> rounded, pairs;
 };
@@ -306,44 +306,30 @@ inline bool amx_attention(const Shapes& s) {
     }
   }
   // softmax down each column over the keys its query sees: all of the first first_pos + 1, then up
-  // to its own position (columns past mq see every key: unused)
+  // to its own position (columns past mq see every key: unused); 16 columns at a time, their
+  // running max and sum in registers (through memory they chained every key to the last one)
   scratch.last_key.resize(static_cast<size_t>(ld));
-  scratch.top.assign(static_cast<size_t>(ld), -3.0e38f);
-  scratch.total.assign(static_cast<size_t>(ld), 0.f);
+  scratch.total.resize(static_cast<size_t>(ld));
   int32_t* last = scratch.last_key.data();
-  float* top = scratch.top.data();
   float* total = scratch.total.data();
   for (int64_t m = 0; m < ld; ++m) last[m] = static_cast<int32_t>(m < mq ? task.first_pos + m / group : keys - 1);
   const int64_t seen_by_all = task.first_pos + 1;
-  for (int64_t key = 0; key < seen_by_all; ++key) {
-    const float* row = scores + key * ld;
-#pragma omp simd
-    for (int64_t m = 0; m < ld; ++m) top[m] = std::max(top[m], row[m]);
-  }
-  for (int64_t key = seen_by_all; key < keys; ++key) {
-    const float* row = scores + key * ld;
-    const auto k32 = static_cast<int32_t>(key);
-#pragma omp simd
-    for (int64_t m = 0; m < ld; ++m) top[m] = k32 <= last[m] ? std::max(top[m], row[m]) : top[m];
-  }
-  for (int64_t key = 0; key < seen_by_all; ++key) {
-    float* row = scores + key * ld;
-#pragma omp simd
-    for (int64_t m = 0; m < ld; ++m) {
-      const float p = fast_exp(row[m] - top[m]);
-      row[m] = p;
-      total[m] += p;
+  for (int64_t g = 0; g < tiles; ++g) {
+    float* column = scores + g * 16;
+    const __m512i last_seen = _mm512_loadu_si512(last + g * 16);
+    auto sees = [&](int64_t key) { return _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(key)), last_seen); };
+    __m512 top = _mm512_set1_ps(-3.0e38f);
+    for (int64_t key = 0; key < seen_by_all; ++key) top = _mm512_max_ps(top, _mm512_loadu_ps(column + key * ld));
+    for (int64_t key = seen_by_all; key < keys; ++key)
+      top = _mm512_mask_max_ps(top, sees(key), top, _mm512_loadu_ps(column + key * ld));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t key = 0; key < keys; ++key) {
+      __m512 p = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(column + key * ld), top));
+      if (key >= seen_by_all) p = _mm512_maskz_mov_ps(sees(key), p);
+      _mm512_storeu_ps(column + key * ld, p);
+      sum = _mm512_add_ps(sum, p);
     }
-  }
-  for (int64_t key = seen_by_all; key < keys; ++key) {
-    float* row = scores + key * ld;
-    const auto k32 = static_cast<int32_t>(key);
-#pragma omp simd
-    for (int64_t m = 0; m < ld; ++m) {
-      const float p = k32 <= last[m] ? fast_exp(row[m] - top[m]) : 0.f;
-      row[m] = p;
-      total[m] += p;
-    }
+    _mm512_storeu_ps(total + g * 16, sum);
   }
   scratch.out.assign(static_cast<size_t>(mq * d), 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
