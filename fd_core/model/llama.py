@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 
 #: Compute dtypes the model accepts (the platform says which it runs); float32 is the tested path.
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-#: How the float32 projections and head may be stored (``linear_weights``).
-LINEAR_WEIGHTS: tuple[str, ...] = ("float32", "bfloat16")
+#: What ``linear_weights``, ``linear_inputs`` and ``attention_inputs`` may be: kept in float32 or
+#: rounded to bfloat16.
+ROUNDINGS: tuple[str, ...] = ("float32", "bfloat16")
 #: Rows of one MLP chunk in steps with more (see LlamaForCausalLM._mlp).
 MLP_ROWS = 512
 
@@ -85,14 +86,12 @@ class LlamaForCausalLM:
                  attention_inputs: str = "float32") -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
-        if linear_weights not in LINEAR_WEIGHTS:
-            raise ValueError(f"linear_weights {linear_weights!r} is not supported; use one of {LINEAR_WEIGHTS}")
-        if linear_inputs not in LINEAR_WEIGHTS:
-            raise ValueError(f"linear_inputs {linear_inputs!r} is not supported; use one of {LINEAR_WEIGHTS}")
+        for name, value in (("linear_weights", linear_weights), ("linear_inputs", linear_inputs),
+                            ("attention_inputs", attention_inputs)):
+            if value not in ROUNDINGS:
+                raise ValueError(f"{name} {value!r} is not supported; use one of {ROUNDINGS}")
         if linear_inputs == "bfloat16" and linear_weights != "bfloat16":
             raise ValueError("linear_inputs 'bfloat16' needs linear_weights 'bfloat16'")
-        if attention_inputs not in LINEAR_WEIGHTS:
-            raise ValueError(f"attention_inputs {attention_inputs!r} is not supported; use one of {LINEAR_WEIGHTS}")
         self.round_queries = attention_inputs == "bfloat16"
         rounding = {"bfloat16": linear_weights == "bfloat16", "bfloat16_inputs": linear_inputs == "bfloat16"}
         expected = expected_weight_shapes(arch)
