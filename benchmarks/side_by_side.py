@@ -36,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 #: name -> (requests, prompt length around which prompts vary by range_ratio, new tokens each)
-WORKLOADS = {"w64": (64, 256, 64), "w256": (256, 256, 64)}
+WORKLOADS = {"w64": (64, 256, 64), "w256": (256, 256, 128)}   # as ../shared/bench defines them
 #: Import names of this project's packages -> their folder in a source tree (pyproject's package-dir).
 PACKAGE_DIRS = {"fd_core": "fd_core", "fd_plugins": "fd_plugins", "fd_kernels": "kernels"}
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
