@@ -231,7 +231,8 @@ void configure_tiles(int rows) {
     }                                                                                                 \
   } while (0)
 
-// One block of 1-2 row tiles by 1-2 panels over the whole of k: `a` the rounded rows (kp apart),
+// One block of 1-2 row tiles by 1-2 panels over the whole of k: `a` the block's first row tile
+// (tile-major: each 32 columns of its rows a contiguous tile, kp / 32 of them, then the next row tile's),
 // `w` the first panel; `rows[b]`/`cols[p]` how many of the block's rows and features exist. Each
 // step over k also asks for `ahead_step` bytes from `ahead` on (the next task's panels) into L2.
 template <int RowTiles, int PanelTiles>
@@ -244,13 +245,13 @@ void amx_block(const uint16_t* a, int64_t kp, int tile_rows, const uint16_t* w, 
   const uint16_t* a1 = a + tile_rows * kp;
   for (int64_t i = 0; i < kp; i += kKStep) {
     for (int64_t at = 0; at < ahead_step; at += 64) _mm_prefetch(ahead + i / kKStep * ahead_step + at, _MM_HINT_T1);
-    _tile_loadd(4, a + i, kp * 2);
+    _tile_loadd(4, a + i * tile_rows, kKStep * 2);
     _tile_loadd(6, w + i * kLanes, 64);
     if constexpr (PanelTiles > 1) _tile_loadd(7, w + panel_stride + i * kLanes, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (PanelTiles > 1) _tile_dpbf16ps(1, 4, 7);
     if constexpr (RowTiles > 1) {
-      _tile_loadd(5, a1 + i, kp * 2);
+      _tile_loadd(5, a1 + i * tile_rows, kKStep * 2);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (PanelTiles > 1) _tile_dpbf16ps(3, 5, 7);
     }
@@ -273,8 +274,8 @@ using AmxBlock = void (*)(const uint16_t*, int64_t, int, const uint16_t*, int64_
 // on a 2048-row gate/up on the AMX Xeon, 1006 -> 1274 at 64 rows).
 constexpr int64_t kAmxRowBlocks = 8, kAmxPanelBlocks = 4, kMinRowBlocksToPrefetch = 4;
 
-// y = round(x) @ B on AMX tiles: x rounded into a [rows (padded to whole tiles), kp] bfloat16
-// buffer this thread keeps, then blocks of two row tiles by two panels, in tasks of kAmxRowBlocks x
+// y = round(x) @ B on AMX tiles: x rounded into [tile_rows, 32] bfloat16 tiles, each contiguous
+// (rows padded to whole tiles; a buffer this thread keeps), then blocks of two row tiles by two panels, in tasks of kAmxRowBlocks x
 // kAmxPanelBlocks blocks.
 void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed, int64_t n, float* y, int threads) {
   const int64_t kp = padded_k(k), panels = panels_of(n), panel_stride = kp * kLanes;
@@ -286,14 +287,14 @@ void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed,
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < row_tiles * tile_rows; ++r) {
-      uint16_t* row = a + r * kp;
-      if (r < rows) {
+    for (int64_t r = 0; r < row_tiles * tile_rows; ++r) {   // into tiles: see amx_block
+      uint16_t* row = a + (r / tile_rows) * tile_rows * kp + (r % tile_rows) * kKStep;
+      for (int64_t c = 0; c < kp; c += kKStep) {
+        uint16_t* part = row + c * tile_rows;
+        const int64_t valid = r < rows ? std::clamp<int64_t>(k - c, 0, kKStep) : 0;
 #pragma omp simd
-        for (int64_t i = 0; i < k; ++i) row[i] = round_to_bf16_bits(x[r * k + i]);
-        std::fill(row + k, row + kp, 0);
-      } else {
-        std::fill(row, row + kp, 0);
+        for (int64_t i = 0; i < valid; ++i) part[i] = round_to_bf16_bits(x[r * k + c + i]);
+        std::fill(part + valid, part + kKStep, 0);
       }
     }
     configure_tiles(tile_rows);
