@@ -72,9 +72,8 @@ def instrument(llm: Any, timers: Timers) -> None:
 
     layer_op = chosen["decoder_layer"]
 
-    class TimedDecoderLayer:   # the fused layer keeps its binding and step limit, its calls timed
+    class TimedDecoderLayer:   # the fused layer keeps its bindings, its calls timed
         bind = staticmethod(layer_op.fn.bind)
-        max_tokens = layer_op.fn.max_tokens
         if callable(layer_op.fn):   # "composed" is never called
             __call__ = staticmethod(timers.wrap(f"decoder_layer ({layer_op.name})", layer_op.fn.__call__))
 

@@ -2,9 +2,9 @@
 
 A fused layer kernel has ``bind(linears, qkv_bias)``, called once per layer at load with its four
 prepared linear weights (qkv, o, gate_up, down): it returns what ``__call__`` needs for that
-layer, or ``None`` when it cannot run it (a weight the linear kernel left to the portable path, a
-bias), and the model then runs the layer op by op; so it does for steps of ``max_tokens`` tokens
-or more. ``COMPOSED`` binds nothing: every layer runs op by op. The C++ variant is
+layer, with a ``max_tokens`` attribute, or ``None`` when it cannot run it (a weight the linear
+kernel left to the portable path, a bias), and the model then runs the layer op by op; so it does
+for steps of the binding's ``max_tokens`` tokens or more. ``COMPOSED`` binds nothing: every layer runs op by op. The C++ variant is
 ``fd_kernels.native.FusedDecoderLayer``.
 """
 
@@ -18,7 +18,6 @@ class ComposedLayer:
     """No fused layer: the model calls the layer's kernels one by one."""
 
     name = "composed"
-    max_tokens = 0
 
     def bind(self, linears: Sequence[Any], qkv_bias: Any) -> None:
         """Nothing to bind: ``None`` for every layer."""

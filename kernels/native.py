@@ -22,6 +22,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
@@ -226,11 +227,24 @@ class _Quantized:
         return self.codes, self.scales, self.mins
 
 
+@dataclass(frozen=True, slots=True)
+class FusedBinding:
+    """What :meth:`FusedDecoderLayer.bind` keeps for one layer: the op's weight tensors and codes,
+    and ``max_tokens``, the step size from which the layer runs op by op instead."""
+
+    tensors: list[Any]
+    bits: list[int]
+    widths: list[int]
+    round_inputs: bool
+    max_tokens: int
+
+
 class FusedDecoderLayer:
     """The C++ ``decoder_layer`` (``csrc/decoder_layer.cc``): RMSNorm, q/k/v, RoPE + KV write,
     attention, o, RMSNorm, gate/up, SwiGLU and down of one layer in one op, through the same
     kernels as the op-by-op path (same results, no per-op dispatch). Binds layers without a q/k/v
-    bias whose four weights are block-quantized or bfloat16, for steps of fewer than :attr:`max_tokens` tokens.
+    bias whose four weights are block-quantized or bfloat16, for steps of fewer than the binding's
+    ``max_tokens`` tokens.
     Called inside this op, MKL gave results that varied in the last bits from run to run (float32
     packed weights; seen on an AMD EPYC, one thread included; op by op they are reproducible, and
     MKL's strict reproducibility mode removes it), so MKL stays out of it."""
@@ -238,40 +252,46 @@ class FusedDecoderLayer:
     name = "cpp"
 
     #: Steps of this many tokens or more run op by op: compute-bound, they gain nothing from one
-    #: dispatch per layer, and there the quantized linear hands its matmuls to MKL (``kGemmRows`` in
-    #: ``csrc/quant_linear.cc``), which this op never calls.
+    #: dispatch per layer, and there the linears hand their matmuls to MKL (``kGemmRows`` in
+    #: ``csrc/quant_linear.cc`` and ``csrc/bf16_linear.cc``), which this op never calls.
     max_tokens = 128
+    #: The limit for bfloat16 panels with rounded inputs in a build with AMX: those never reach MKL,
+    #: so the op takes steps up to the model's MLP chunk (``fd_core.model.llama.MLP_ROWS``: larger
+    #: steps gain from the chunks, which this op does not cut), decode steps of 128+ rows among them
+    #: (a 128-row decode step 132.7 -> 120.9 ms on the AMX Xeon). Were the tiles refused at run time,
+    #: such a step would multiply in float32 without MKL: the same values, summed in another order.
+    amx_max_tokens = 512
 
-    def __init__(self, ops: ModuleType) -> None:
+    def __init__(self, ops: ModuleType, amx: bool) -> None:
         self._op = ops.fd_decoder_layer
         self._threads = _threads()
+        self._amx = amx
 
-    def bind(self, linears: Sequence[Any], qkv_bias: Any) -> tuple[list[Any], list[int], list[int], bool] | None:
-        """(weight tensors, bits, widths, round_inputs) for the op, or ``None`` (see
-        ``fd_kernels.decoder_layer``)."""
+    def bind(self, linears: Sequence[Any], qkv_bias: Any) -> FusedBinding | None:
+        """The op's operands for these four linears, or ``None`` (see ``fd_kernels.decoder_layer``)."""
         if qkv_bias is not None or not all(isinstance(prepared, (_Quantized, _Bf16)) for prepared in linears):
             return None
-        tensors = [t for prepared in linears for t in prepared.operands()]
-        round_inputs = any(isinstance(prepared, _Bf16) and prepared.round_inputs for prepared in linears)
-        return tensors, [prepared.bits for prepared in linears], [prepared.width for prepared in linears], round_inputs
+        rounded = [isinstance(prepared, _Bf16) and prepared.round_inputs for prepared in linears]
+        return FusedBinding([t for prepared in linears for t in prepared.operands()],
+                            [prepared.bits for prepared in linears], [prepared.width for prepared in linears],
+                            any(rounded), self.amx_max_tokens if self._amx and all(rounded) else self.max_tokens)
 
-    def __call__(self, bound: tuple[list[Any], list[int], list[int], bool], x: Any, residual: Any, input_norm: Any,
+    def __call__(self, bound: FusedBinding, x: Any, residual: Any, input_norm: Any,
                  post_norm: Any, k_cache: Any, v_cache: Any, attn: Any, cos: Any, sin: Any, num_heads: int,
                  head_dim: int, eps: float, round_queries: bool = False) -> tuple[Any, Any]:
         """``(out, residual stream)`` of the layer, its K/V written into the caches (``round_queries``:
         see the ``attention`` kernels)."""
-        tensors, bits, widths, round_inputs = bound
         out, summed = self._op(x, x if residual is None else residual, input_norm, post_norm,
-                                     attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor,
-                                     attn.row_tables, attn.row_starts, attn.row_lens, tensors, bits, widths,
-                                     num_heads, head_dim, eps, residual is not None, round_inputs,
-                                     round_queries, self._threads)[:2]
+                               attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor,
+                               attn.row_tables, attn.row_starts, attn.row_lens, bound.tensors, bound.bits,
+                               bound.widths, num_heads, head_dim, eps, residual is not None, bound.round_inputs,
+                               round_queries, self._threads)[:2]
         return out, summed
 
 
 def prepare_decoder_layer(capabilities: Collection[str]) -> FusedDecoderLayer:
     """The C++ ``decoder_layer`` variant (see :class:`FusedDecoderLayer`)."""
-    return FusedDecoderLayer(load_native(capabilities))
+    return FusedDecoderLayer(load_native(capabilities), amx="-mamx-bf16" in isa_flags(capabilities))
 
 
 def prepare_linear(capabilities: Collection[str]) -> PackedLinear:

@@ -186,11 +186,10 @@ class LlamaForCausalLM:
         attention = self.kernels.attention
         linear = self.kernels.linear
         fused_layer = self.kernels.decoder_layer
-        fuse = num_tokens < fused_layer.max_tokens
         x = F.embedding(input_ids, self.embed_tokens)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            if fuse and layer.fused is not None:
+            if layer.fused is not None and num_tokens < layer.fused.max_tokens:
                 x, residual = fused_layer(layer.fused, x, residual, layer.input_norm, layer.post_norm, cache.key,
                                           cache.value, attn, self.rope_cos, self.rope_sin, heads, head_dim,
                                           arch.rms_norm_eps, round_queries=self.round_queries)
