@@ -293,8 +293,6 @@ inline bool amx_attention(const Shapes& s) {
   auto block_of = [&](const Bf16* cache, int64_t b) { return cache + (table[b] * s.kv_heads + task.kv_head) * bs * d; };
   const int64_t blocks = (keys + bs - 1) / bs;
   for (int64_t b = 0; b < blocks; ++b) {
-    if (b + 1 < blocks) prefetch_block(block_of(k_cache, b + 1), bs * d);
-    else prefetch_block(block_of(v_cache, 0), bs * d);
     const Bf16* block = block_of(k_cache, b);
     for (int64_t key = b * bs; key < std::min(keys, (b + 1) * bs); key += kKeyTile) {
       const Bf16* rows = block + (key - b * bs) * d;
@@ -334,7 +332,6 @@ inline bool amx_attention(const Shapes& s) {
   scratch.out.assign(static_cast<size_t>(mq * d), 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
     const Bf16* values = block_of(v_cache, b);
-    if (b + 1 < blocks) prefetch_block(block_of(v_cache, b + 1), bs * d);
     const int64_t n = std::min(bs, keys - b * bs);
     for (int64_t m = 0; m < mq; m += kVectorsPerPass)
       accumulate_vectors(scores + b * bs * ld + m, ld, values, n, d, std::min<int64_t>(kVectorsPerPass, mq - m),
@@ -420,7 +417,8 @@ template <typename T>
 
 template <typename T>
 void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache, const T* v_cache,
-               const int64_t* tables, const Shapes& s, float scale, bool round_queries, float* out, int threads) {
+               const int64_t* tables, const Shapes& s, float scale, bool round_queries, float* out, int threads,
+               int64_t chunk) {
   const auto num_tasks = static_cast<int64_t>(tasks.size());
   bool amx = false;
 #if defined(__AMX_BF16__) && defined(__AVX512F__)
@@ -433,7 +431,7 @@ void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache,
 #if defined(__AMX_BF16__) && defined(__AVX512F__)
     if (amx) configure_attention_tiles();
 #endif
-#pragma omp for schedule(monotonic : dynamic)   // monotonic: an entry point libiomp5 has (see native.py)
+#pragma omp for schedule(monotonic : dynamic, chunk)   // monotonic: an entry point libiomp5 has (see native.py)
     for (int64_t t = 0; t < num_tasks; ++t) {
       const Task& task = tasks[t];
       const int64_t* table = tables + task.row * s.width;
@@ -495,12 +493,16 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const auto num_tasks = static_cast<int64_t>(tasks.size());
   const int threads = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>({num_threads, num_tasks, work / kMinWorkPerThread})));
+  // a decode step hands out a row's kv heads together, so one thread reads its blocks (the heads
+  // side by side in the cache; 64 rows x 270 keys: 0.78 -> 0.67-0.71 ms on the AMX Xeon); a
+  // prefill step's tasks grow along the row, and go out one by one (evener ends)
+  const int64_t chunk = token == rows ? s.kv_heads : 1;
   if (cache_dtype == paddle::DataType::BFLOAT16)
     run_tasks(tasks, qp, cache_data<Bf16>(k_cache), cache_data<Bf16>(v_cache), tables, s, scale, round_queries, op,
-              threads);
+              threads, chunk);
   else
     run_tasks(tasks, qp, cache_data<float>(k_cache), cache_data<float>(v_cache), tables, s, scale, round_queries, op,
-              threads);
+              threads, chunk);
   return {out};
 }
 
