@@ -122,10 +122,11 @@ def pool(redis_server: Any, tiny_model: Path, tmp_path: Path):
 
 def test_a_busy_instance_s_requests_are_shared_and_answered_exactly_through_it(pool, reference) -> None:
     a, b = pool
-    with ThreadPoolExecutor(8) as workers:
-        streamed = list(workers.map(lambda i: _stream(a.url, i), range(8)))
+    with ThreadPoolExecutor(8) as workers:   # long streams: A stays busy for B's steal polls
+        streamed = list(workers.map(lambda i: _stream(a.url, i, max_tokens=LONG_MAX_TOKENS), range(8)))
         whole = list(workers.map(lambda i: _complete(a.url, i), range(8)))
-    assert streamed == whole == [reference[i] for i in range(8)]
+    assert streamed == [reference["long", i] for i in range(8)]
+    assert whole == [reference[i] for i in range(8)]
     served = _figure(b, "fd_scheduler_served_for_peers_total")
     taken = _figure(a, "fd_scheduler_taken_by_peers_total")
     assert served > 0 and taken == served, (served, taken)
