@@ -4,8 +4,8 @@ A fused layer kernel has ``bind(linears, qkv_bias)``, called once per layer at l
 prepared linear weights (qkv, o, gate_up, down): it returns what ``__call__`` needs for that
 layer, with a ``max_tokens`` attribute, or ``None`` when it cannot run it (a weight the linear
 kernel left to the portable path, a bias), and the model then runs the layer op by op; so it does
-for steps of the binding's ``max_tokens`` tokens or more. ``COMPOSED`` binds nothing: every layer runs op by op. The C++ variant is
-``fd_kernels.native.FusedDecoderLayer``.
+for steps of the binding's ``max_tokens`` tokens or more. ``COMPOSED`` binds nothing: every layer
+runs op by op. The C++ variant is ``fd_kernels.native.FusedDecoderLayer``.
 """
 
 from __future__ import annotations

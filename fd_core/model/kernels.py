@@ -102,8 +102,8 @@ class KernelSet:
     def decoder_layer(self) -> Any:
         """``.bind(linears, qkv_bias)`` once per layer, then ``(bound, x, residual, input_norm, post_norm,
         k_cache, v_cache, attn, cos, sin, num_heads, head_dim, eps) -> (out, residual)``: a whole layer in
-        one call where ``bind`` did not return ``None``, for steps of fewer than its binding's ``.max_tokens`` tokens;
-        see ``fd_kernels.decoder_layer``."""
+        one call where ``bind`` did not return ``None``, for steps of fewer than its binding's
+        ``.max_tokens`` tokens; see ``fd_kernels.decoder_layer``."""
         return self.chosen["decoder_layer"].fn
 
     @property

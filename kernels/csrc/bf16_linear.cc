@@ -232,7 +232,7 @@ void configure_tiles(int rows) {
   } while (0)
 
 // One block of 1-2 row tiles by 1-2 panels over the whole of k: `a` the block's first row tile
-// (tile-major: each 32 columns of its rows a contiguous tile, kp / 32 of them, then the next row tile's),
+// (each 32 columns of its rows one contiguous tile, kp / 32 of them, then the next row tile's),
 // `w` the first panel; `rows[b]`/`cols[p]` how many of the block's rows and features exist. Each
 // step over k also asks for `ahead_step` bytes from `ahead` on (the next task's panels) into L2.
 template <int RowTiles, int PanelTiles>
@@ -275,8 +275,8 @@ using AmxBlock = void (*)(const uint16_t*, int64_t, int, const uint16_t*, int64_
 constexpr int64_t kAmxRowBlocks = 8, kAmxPanelBlocks = 4, kMinRowBlocksToPrefetch = 4;
 
 // y = round(x) @ B on AMX tiles: x rounded into [tile_rows, 32] bfloat16 tiles, each contiguous
-// (rows padded to whole tiles; a buffer this thread keeps), then blocks of two row tiles by two panels, in tasks of kAmxRowBlocks x
-// kAmxPanelBlocks blocks.
+// (rows padded to whole tiles; a buffer this thread keeps), then blocks of two row tiles by two
+// panels, in tasks of kAmxRowBlocks x kAmxPanelBlocks blocks.
 void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed, int64_t n, float* y, int threads) {
   const int64_t kp = padded_k(k), panels = panels_of(n), panel_stride = kp * kLanes;
   const int tile_rows = static_cast<int>(std::min<int64_t>(rows, 16));
