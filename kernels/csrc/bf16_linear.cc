@@ -36,6 +36,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "aligned.h"
 #include "amx.h"
 #include "bf16.h"
 #include "mkl_api.h"
@@ -183,7 +184,7 @@ void tiled(const float* x, int64_t rows, int64_t k, const uint16_t* packed, int6
 // y = x @ B by MKL's sgemm on B widened into a [k, n] buffer this thread keeps for the next call.
 void widened_gemm(const float* x, int64_t rows, int64_t k, const uint16_t* packed, int64_t n, float* y, int threads,
                   const std::string& mkl_path) {
-  thread_local std::vector<float> widened;
+  thread_local AlignedVector<float> widened;
   widened.resize(static_cast<size_t>(k * n));
   float* w = widened.data();
   const int64_t panels = panels_of(n), panel_stride = padded_k(k) * kLanes;
@@ -281,7 +282,7 @@ void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed,
   const int64_t kp = padded_k(k), panels = panels_of(n), panel_stride = kp * kLanes;
   const int tile_rows = static_cast<int>(std::min<int64_t>(rows, 16));
   const int64_t row_tiles = (rows + tile_rows - 1) / tile_rows;
-  thread_local std::vector<uint16_t> rounded;
+  thread_local AlignedVector<uint16_t> rounded;
   rounded.resize(static_cast<size_t>(row_tiles * tile_rows * kp));
   uint16_t* a = rounded.data();
 #pragma omp parallel num_threads(threads)
@@ -342,7 +343,7 @@ void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed,
 
 // x rounded to bfloat16 values (kept as float32) in a buffer this thread keeps.
 const float* rounded_copy(const float* x, int64_t count, int threads) {
-  thread_local std::vector<float> rounded;
+  thread_local AlignedVector<float> rounded;
   rounded.resize(static_cast<size_t>(count));
   float* out = rounded.data();
 #pragma omp parallel for simd num_threads(threads) schedule(static)

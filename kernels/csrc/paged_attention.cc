@@ -31,6 +31,7 @@
 #include <immintrin.h>
 #endif
 
+#include "aligned.h"
 #include "amx.h"
 #include "fast_exp.h"
 #include "flush_denormals.h"
@@ -190,9 +191,9 @@ inline void prefetch_block(const T* block, int64_t elements) {
 
 // Per-thread buffers of a task, reused across tasks.
 struct Scratch {
-  std::vector<float> queries, scores, out, total;
+  AlignedVector<float> queries, scores, out, total;
   std::vector<int32_t> last_key;
-  std::vector<uint32_t> rounded, pairs;
+  AlignedVector<uint32_t> rounded, pairs;
 };
 
 // Query vector m of a task (query m / group, head m % group): its offset in q and out.

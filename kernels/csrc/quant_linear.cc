@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #endif
 
+#include "aligned.h"
 #include "mkl_api.h"
 #include "paddle/extension.h"
 
@@ -143,7 +144,7 @@ void widen_row(const uint8_t* codes, const float* scales, const float* mins, int
 template <int Bits>
 void widened_gemm(const float* x, int64_t rows, int64_t k, const uint8_t* codes, const float* scales,
                   const float* mins, int64_t n, float* y, int threads, const std::string& mkl_path) {
-  thread_local std::vector<float> widened;
+  thread_local AlignedVector<float> widened;
   widened.resize(static_cast<size_t>(n * k));
   const int64_t blocks = k / kBlock, row_bytes = k * Bits / 8;
   float* w = widened.data();
