@@ -76,7 +76,8 @@ class ModelSection(_Section):
         "float32", description=(
             "With `cache.dtype = \"bfloat16\"`: `bfloat16` rounds attention's queries to bfloat16 as well, so "
             "the query-key products multiply bfloat16 pairs (sums and softmax stay float32): on AMX tiles where "
-            "the CPU declares `amx_bf16`, elsewhere the same rounded values multiplied in float32."))
+            "the CPU declares `amx_bf16`, elsewhere the same rounded values multiplied in float32. On AMX, a "
+            "prefill chunk's softmax weights are rounded too, for the weighted sum of the values on tiles."))
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt + output; defaults to min(model limit, 2048).")
     seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")

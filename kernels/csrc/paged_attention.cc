@@ -18,8 +18,9 @@
 // declared. A bfloat16 cache is widened to float32 as it is read (kv_types.h): math stays fp32.
 // round_queries: the (scaled) queries are rounded to bfloat16 first; with a bfloat16 cache on a CPU
 // with AMX (built with -mamx-bf16, tiles granted) the scores are then AMX tile products (see
-// attend_tile_amx), elsewhere the rounded queries take the float32 path: the same products, summed
-// in another order. Softmax and the weighted sum of the values stay float32 either way.
+// attend_tile_amx), and a prefill task's weighted sum of the values too (its softmax weights rounded
+// to bfloat16: amx_values); elsewhere the rounded queries take the float32 path: the same products,
+// summed in another order, softmax and the weighted sum of the values in float32.
 // Tasks are spread over OpenMP threads when the step is large enough to pay for them.
 
 #include <algorithm>
@@ -193,7 +194,8 @@ inline void prefetch_block(const T* block, int64_t elements) {
 struct Scratch {
   AlignedVector<float> queries, scores, out, total;
   std::vector<int32_t> last_key;
-  AlignedVector<uint32_t> rounded, pairs;
+  AlignedVector<uint32_t> rounded, pairs, weight_tiles, value_tiles;
+  std::vector<const Bf16*> value_rows;   // the AMX values pass: where each key's value row lies
 };
 
 // Query vector m of a task (query m / group, head m % group): its offset in q and out.
@@ -258,6 +260,86 @@ void accumulate_vectors(const float* p, int64_t ld, const Bf16* v, int64_t n, in
     case 5: return accumulate_values_grouped<5, true>(p, ld, v, n, d, out);
     default: return accumulate_values_grouped<kVectorsPerPass, true>(p, ld, v, n, d, out);
   }
+}
+
+// Rounded to bfloat16 (nearest even) in the low (Low) or high half of each 32-bit lane, the other
+// half zero; for finite values (the weights are in [0, 1]).
+template <bool Low>
+inline __m512i round_to_bf16_half(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return Low ? _mm512_srli_epi32(rounded, 16) : _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
+// The values pass on AMX tiles, for tasks of more than one tile of query vectors (a prefill chunk;
+// a decode task's few vectors keep the FMA pass, which reads the values once from memory anyway):
+// O [vectors x d] = P [vectors x keys] V [keys x d], 32 keys per step, P rounded to bfloat16 (the
+// sums stay float32, and the softmax's total is the float32 sum of the unrounded weights). Tiles
+// 0-3: sums [16 vectors x 16 dims], 4: weights [16 vectors x 32 keys], 5: values [16 key pairs x 16
+// dims]. `weights` are the key-major softmax numerators (ld apart); keys >= `keys` count as zero.
+void amx_values(const float* weights, int64_t ld, int64_t tiles, int64_t keys, const Bf16* const* value_rows,
+                int64_t d, Scratch& scratch, float* out) {
+  const int64_t chunks = (keys + 31) / 32, dim_tiles = d / 16;
+  // the values as B tiles: tile (c, t) row j = dims t*16.. of keys c*32 + 2j and + 2j + 1, paired
+  scratch.value_tiles.resize(static_cast<size_t>(chunks * dim_tiles * 256));
+  uint32_t* vt = scratch.value_tiles.data();
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t key = c * 32 + 2 * j;
+      for (int64_t t = 0; t < dim_tiles; ++t) {
+        const auto pair_of = [&](int64_t k) {
+          return k < keys ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value_rows[k] + t * 16)))
+                          : _mm512_setzero_si512();
+        };
+        const __m512i paired = _mm512_or_si512(pair_of(key), _mm512_slli_epi32(pair_of(key + 1), 16));
+        _mm512_store_si512(vt + ((c * dim_tiles + t) * 16 + j) * 16, paired);
+      }
+    }
+  // the weights as A tiles: tile (g, c) row n = keys c*32.. of vector g*16 + n, in pairs
+  scratch.weight_tiles.resize(static_cast<size_t>(tiles * chunks * 256));
+  uint32_t* wt = scratch.weight_tiles.data();
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  for (int64_t g = 0; g < tiles; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t key = c * 32 + 2 * j;
+        const auto row = [&](int64_t k) { return k < keys ? _mm512_loadu_ps(weights + k * ld + g * 16) : _mm512_setzero_ps(); };
+        const __m512i paired = _mm512_or_si512(round_to_bf16_half<true>(row(key)), round_to_bf16_half<false>(row(key + 1)));
+        _mm512_i32scatter_epi32(wt + (g * chunks + c) * 256 + j, column, paired, 4);
+      }
+  for (int64_t g = 0; g < tiles; ++g)
+    for (int64_t t0 = 0; t0 < dim_tiles; t0 += 4) {
+      const int64_t group = std::min<int64_t>(4, dim_tiles - t0);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(4, wt + (g * chunks + c) * 256, 64);
+        const uint32_t* b = vt + (c * dim_tiles + t0) * 256;
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (group > 1) {
+          _tile_loadd(5, b + 256, 64);
+          _tile_dpbf16ps(1, 4, 5);
+        }
+        if (group > 2) {
+          _tile_loadd(5, b + 512, 64);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (group > 3) {
+          _tile_loadd(5, b + 768, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      float* at = out + g * 16 * d + t0 * 16;
+      _tile_stored(0, at, d * 4);
+      if (group > 1) _tile_stored(1, at + 16, d * 4);
+      if (group > 2) _tile_stored(2, at + 32, d * 4);
+      if (group > 3) _tile_stored(3, at + 48, d * 4);
+    }
 }
 
 // Whether a task of this shape takes the AMX path (the tiles hold 32 dims and 16 keys at a time).
@@ -330,13 +412,20 @@ inline bool amx_attention(const Shapes& s) {
     }
     _mm512_storeu_ps(total + g * 16, sum);
   }
-  scratch.out.assign(static_cast<size_t>(mq * d), 0.f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const Bf16* values = block_of(v_cache, b);
-    const int64_t n = std::min(bs, keys - b * bs);
-    for (int64_t m = 0; m < mq; m += kVectorsPerPass)
-      accumulate_vectors(scores + b * bs * ld + m, ld, values, n, d, std::min<int64_t>(kVectorsPerPass, mq - m),
-                         scratch.out.data() + m * d);
+  if (tiles > 1) {
+    scratch.value_rows.resize(static_cast<size_t>(keys));
+    for (int64_t key = 0; key < keys; ++key) scratch.value_rows[key] = block_of(v_cache, key / bs) + key % bs * d;
+    scratch.out.resize(static_cast<size_t>(ld * d));
+    amx_values(scores, ld, tiles, keys, scratch.value_rows.data(), d, scratch, scratch.out.data());
+  } else {
+    scratch.out.assign(static_cast<size_t>(mq * d), 0.f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Bf16* values = block_of(v_cache, b);
+      const int64_t n = std::min(bs, keys - b * bs);
+      for (int64_t m = 0; m < mq; m += kVectorsPerPass)
+        accumulate_vectors(scores + b * bs * ld + m, ld, values, n, d, std::min<int64_t>(kVectorsPerPass, mq - m),
+                           scratch.out.data() + m * d);
+    }
   }
   for (int64_t m = 0; m < mq; ++m) {
     const float inv = 1.f / total[m];
