@@ -101,7 +101,10 @@ class ModelSection(_Section):
 class CacheSection(_Section):
     """The paged KV cache."""
 
-    block_size: int = Field(16, gt=0, description="Tokens per KV block.")
+    block_size: int = Field(64, gt=0, description=(
+        "Tokens per KV block (also the prefix cache's unit). Attention reads a row's blocks one by one, "
+        "so longer blocks are longer contiguous reads: 64 rather than 16 made the shared bench's w256 "
+        "decode steps ~7 % faster on 2 cores."))
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description=(
             "Storage dtype of the KV cache; `auto` is `model.dtype`. `bfloat16` with a float32 model halves "

@@ -105,7 +105,7 @@ def test_version_and_help():
     assert shown == help_text() + "\n"
     assert shown.startswith("usage: fd-serve ")
     assert "``" not in shown and ":class:" not in shown  # no raw reStructuredText
-    assert "--cache.block_size INT" in shown and "(default: 16)" in shown
+    assert "--cache.block_size INT" in shown and "(default: 64)" in shown
     assert "--model.dtype {float32,bfloat16,float16}" in shown and "(default: INFO)" in shown
 
 

@@ -120,11 +120,11 @@ def test_an_unset_memory_utilization_caps_a_host_memory_pool():
     assert default.num_blocks * default.bytes_per_block <= HOST_DEFAULT_KV_CAP_BYTES
     assert default.num_blocks == HOST_DEFAULT_KV_CAP_BYTES // default.bytes_per_block
     assert "cache.num_blocks or cache.memory_utilization" in default.source
-    explicit = plan_kv_pool(load_config(cache={"memory_utilization": 0.3}), big, platform, max_model_len=2048,
-                            weights_bytes=0)
+    explicit_config = load_config(cache={"memory_utilization": 0.3})
+    explicit = plan_kv_pool(explicit_config, big, platform, max_model_len=2048, weights_bytes=0)
     budget = platform.kv_cache_memory_bytes(utilization=0.3, weights_bytes=0,
                                             activation_reserve_bytes=ACTIVATION_RESERVE_BYTES)
-    assert explicit.num_blocks == min(budget // explicit.bytes_per_block, 32 * 2048 // 16)
+    assert explicit.num_blocks == min(budget // explicit.bytes_per_block, 32 * 2048 // explicit_config.cache.block_size)
     assert explicit.num_blocks > default.num_blocks or budget <= HOST_DEFAULT_KV_CAP_BYTES
 
 
@@ -147,8 +147,9 @@ def test_progress_names_each_heavy_stage_before_it_runs(tiny_model_dir, caplog):
                               progress=stages.append)
     messages = [r.getMessage() for r in caplog.records]
     assert f"loading the model {tiny_model_dir!r}" in messages
-    mib = 64 * kv_cache_bytes_per_block(engine.runner.arch, 16) >> 20
-    assert f"KV pool: 64 blocks of 16 tokens, {mib} MiB (cache.num_blocks)" in messages
+    block_size = load_config().cache.block_size
+    mib = 64 * kv_cache_bytes_per_block(engine.runner.arch, block_size) >> 20
+    assert f"KV pool: 64 blocks of {block_size} tokens, {mib} MiB (cache.num_blocks)" in messages
     assert stages[0].startswith("choosing kernels (the C++ kernels are built on first use")
     assert stages[1] == f"loading the model {tiny_model_dir!r}"
     assert stages[-1].startswith("warm-up forward pass (kernels: rms_norm=")
@@ -162,7 +163,9 @@ def test_a_bfloat16_kv_cache_halves_the_pool_and_drains_back_to_free(make_llm):
     llm = make_llm(cache={"num_blocks": 64, "dtype": "bfloat16"})
     caches = llm.engine.runner.kv_caches
     assert str(caches[0].key.dtype) == "paddle.bfloat16"
-    assert sum(c.key.numel() * 2 * 2 for c in caches) == 64 * kv_cache_bytes_per_block(llm.engine.runner.arch, 16, "bfloat16")
+    block_size = load_config().cache.block_size
+    assert sum(c.key.numel() * 2 * 2 for c in caches) == 64 * kv_cache_bytes_per_block(llm.engine.runner.arch, block_size,
+                                                                                      "bfloat16")
     outputs = llm.generate([[5, 6, 7, 8] * 10, [9, 10, 11]] * 3,
                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert [len(o.token_ids) for o in outputs] == [12] * 6
