@@ -159,11 +159,12 @@ def main() -> int:
                     if tree is not None:
                         env["PYTHONPATH"] = str(import_root(tree, scratch))
                     out = scratch / f"fd-{label}.json"
+                    label_sections = merged(sections, extra.get(label, {}))
                     command = [sys.executable, str(args.bench_dir / "fd_offline.py"), "--model", model,
                                *workload_args(workload, args.repeats),
-                               "--sections", json.dumps(merged(sections, extra.get(label, {}))),
+                               "--sections", json.dumps(label_sections),
                                "--json-out", str(out), "--label", label]
-                    results.append(attempt(Result(f"fd-engine:{label}", "float32", model, workload),
+                    results.append(attempt(Result(f"fd-engine:{label}", fd_precision(label_sections), model, workload),
                                            command, env, out, scratch))
                     print_result(results[-1])
                 if args.vllm_venv is None:
@@ -186,6 +187,16 @@ def main() -> int:
         args.json_out.write_text(json.dumps({"cpu": cpu, "cores": os.cpu_count(), "command": sys.argv,
                                              "results": [asdict(r) for r in results]}, indent=1) + "\n")
     return 0 if all(r.error is None for r in results) else 1
+
+
+def fd_precision(sections: dict) -> str:
+    """The dtype column of an fd-engine run: ``model.dtype``, then the lower precisions its sections set."""
+    model, cache = sections.get("model", {}), sections.get("cache", {})
+    lower = [f"{key}={model[key]}" for key in ("linear_weights", "linear_inputs", "attention_inputs",
+                                                "quantized_weights") if key in model]
+    if "dtype" in cache:
+        lower.append(f"cache={cache['dtype']}")
+    return " ".join([model.get("dtype", "float32"), *lower])
 
 
 def merged(sections: dict, more: dict) -> dict:
