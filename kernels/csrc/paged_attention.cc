@@ -269,7 +269,8 @@ inline __m512i round_to_bf16_half(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return Low ? _mm512_srli_epi32(rounded, 16) : _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  return Low ? _mm512_srli_epi32(rounded, 16) : _mm512_and_si512(rounded, high_half);
 }
 
 // The values pass on AMX tiles, for tasks of more than one tile of query vectors (a prefill chunk;
@@ -288,9 +289,9 @@ void amx_values(const float* weights, int64_t ld, int64_t tiles, int64_t keys, c
     for (int64_t j = 0; j < 16; ++j) {
       const int64_t key = c * 32 + 2 * j;
       for (int64_t t = 0; t < dim_tiles; ++t) {
-        const auto pair_of = [&](int64_t k) {
-          return k < keys ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value_rows[k] + t * 16)))
-                          : _mm512_setzero_si512();
+        const auto pair_of = [&](int64_t k) {   // dims t*16.. of key k, widened to 32-bit lanes
+          if (k >= keys) return _mm512_setzero_si512();
+          return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value_rows[k] + t * 16)));
         };
         const __m512i paired = _mm512_or_si512(pair_of(key), _mm512_slli_epi32(pair_of(key + 1), 16));
         _mm512_store_si512(vt + ((c * dim_tiles + t) * 16 + j) * 16, paired);
@@ -305,8 +306,11 @@ void amx_values(const float* weights, int64_t ld, int64_t tiles, int64_t keys, c
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t j = 0; j < 16; ++j) {
         const int64_t key = c * 32 + 2 * j;
-        const auto row = [&](int64_t k) { return k < keys ? _mm512_loadu_ps(weights + k * ld + g * 16) : _mm512_setzero_ps(); };
-        const __m512i paired = _mm512_or_si512(round_to_bf16_half<true>(row(key)), round_to_bf16_half<false>(row(key + 1)));
+        const auto row = [&](int64_t k) {
+          return k < keys ? _mm512_loadu_ps(weights + k * ld + g * 16) : _mm512_setzero_ps();
+        };
+        const __m512i paired =
+            _mm512_or_si512(round_to_bf16_half<true>(row(key)), round_to_bf16_half<false>(row(key + 1)));
         _mm512_i32scatter_epi32(wt + (g * chunks + c) * 256 + j, column, paired, 4);
       }
   for (int64_t g = 0; g < tiles; ++g)
