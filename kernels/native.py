@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 _CSRC: Final = Path(__file__).parent / "csrc"
 SOURCES: Final = tuple(_CSRC / name for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc", "swiglu.cc",
                                                   "packed_linear.cc", "quant_linear.cc",
-                                                  "bf16_linear.cc", "decoder_layer.cc"))
+                                                  "bf16_linear.cc", "bf16_mlp.cc", "decoder_layer.cc"))
 HEADERS: Final = tuple(sorted(_CSRC.glob("*.h")))
 # OpenMP: the kernels run on Intel's runtime (libiomp5, which Paddle's MKL uses): one thread pool
 # for the matmuls and these kernels, so neither spins against the other's threads. No FP traps or
@@ -255,12 +255,12 @@ class FusedDecoderLayer:
     #: dispatch per layer, and there the linears hand their matmuls to MKL (``kGemmRows`` in
     #: ``csrc/quant_linear.cc`` and ``csrc/bf16_linear.cc``), which this op never calls.
     max_tokens = 128
-    #: The limit for bfloat16 panels with rounded inputs in a build with AMX: those never reach MKL,
-    #: so the op takes steps up to the model's MLP chunk (``fd_core.model.llama.MLP_ROWS``: larger
-    #: steps gain from the chunks, which this op does not cut), decode steps of 128+ rows among them
-    #: (a 128-row decode step 132.7 -> 120.9 ms on the AMX Xeon). Were the tiles refused at run time,
-    #: such a step would multiply in float32 without MKL: the same values, summed in another order.
-    amx_max_tokens = 512
+    #: The limit for bfloat16 panels with rounded inputs in a build with AMX: none. Those never
+    #: reach MKL, and the op runs the MLP in chunks of rows itself (``csrc/bf16_mlp.cc``), so steps
+    #: of every size gain from the one dispatch and the fused MLP (a 4096-token prefill step of
+    #: SmolLM2 among them). Were the tiles refused at run time, such a step would multiply in
+    #: float32 without MKL: the same values, summed in another order.
+    amx_max_tokens = sys.maxsize
 
     def __init__(self, ops: ModuleType, amx: bool) -> None:
         self._op = ops.fd_decoder_layer

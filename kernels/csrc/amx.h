@@ -24,4 +24,9 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// ldtilecfg of the whole configuration. GCC 12's _tile_loadconfig tells the compiler it reads only
+// the first 8 bytes, so once inlined the stores of the rows and widths can be dropped as dead
+// (seen: ldtilecfg faulting on a half-written configuration).
+inline void load_tile_config(const TileConfig& config) { __asm__ volatile("ldtilecfg %0" ::"m"(config)); }
+
 #endif  // __AMX_BF16__

@@ -37,7 +37,7 @@
 #include <immintrin.h>
 #endif
 #include "aligned.h"
-#include "amx.h"
+#include "amx_gemm.h"
 #include "bf16.h"
 #include "mkl_api.h"
 #include "ops.h"
@@ -105,7 +105,8 @@ inline void store(float* y, Vec v) { std::memcpy(y, v.lane, sizeof v.lane); }
 #endif
 
 #if defined(__AMX_BF16__)
-constexpr int64_t kKStep = 32;   // one AMX tile row: 32 bfloat16 values of k
+constexpr int64_t kKStep = amx_gemm::kKStep;
+static_assert(kLanes == amx_gemm::kLanes, "AMX builds are AVX-512 builds: 16 features a panel");
 #else
 constexpr int64_t kKStep = 2;
 #endif
@@ -209,132 +210,20 @@ void widened_gemm(const float* x, int64_t rows, int64_t k, const uint16_t* packe
 
 #if defined(__AMX_BF16__)
 
-// Tiles 0-3: float32 sums [rows x 16], 4-5: input rows [rows x 32 bfloat16], 6-7: panels
-// [16 pairs x 16 features].
-void configure_tiles(int rows) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = t < 6 ? rows : 16;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
-// Sums tile `id` into y (ldy floats apart) when it is whole, else through a scratch tile.
-#define FD_STORE_TILE(id, y, ldy, valid_rows, valid_cols, tile_rows)                                  \
-  do {                                                                                                \
-    if ((valid_rows) == (tile_rows) && (valid_cols) == 16) {                                          \
-      _tile_stored(id, y, (ldy) * 4);                                                                 \
-    } else {                                                                                          \
-      alignas(64) float scratch[16 * 16];                                                             \
-      _tile_stored(id, scratch, 64);                                                                  \
-      for (int r = 0; r < (valid_rows); ++r) std::memcpy((y) + r * (ldy), scratch + r * 16, 4 * (valid_cols)); \
-    }                                                                                                 \
-  } while (0)
-
-// One block of 1-2 row tiles by 1-2 panels over the whole of k: `a` the block's first row tile
-// (each 32 columns of its rows one contiguous tile, kp / 32 of them, then the next row tile's),
-// `w` the first panel; `rows[b]`/`cols[p]` how many of the block's rows and features exist. Each
-// step over k also asks for `ahead_step` bytes from `ahead` on (the next task's panels) into L2.
-template <int RowTiles, int PanelTiles>
-void amx_block(const uint16_t* a, int64_t kp, int tile_rows, const uint16_t* w, int64_t panel_stride, float* y,
-               int64_t ldy, const int rows[2], const int cols[2], const char* ahead, int64_t ahead_step) {
-  _tile_zero(0);
-  if constexpr (PanelTiles > 1) _tile_zero(1);
-  if constexpr (RowTiles > 1) _tile_zero(2);
-  if constexpr (RowTiles > 1 && PanelTiles > 1) _tile_zero(3);
-  const uint16_t* a1 = a + tile_rows * kp;
-  for (int64_t i = 0; i < kp; i += kKStep) {
-    for (int64_t at = 0; at < ahead_step; at += 64) _mm_prefetch(ahead + i / kKStep * ahead_step + at, _MM_HINT_T1);
-    _tile_loadd(4, a + i * tile_rows, kKStep * 2);
-    _tile_loadd(6, w + i * kLanes, 64);
-    if constexpr (PanelTiles > 1) _tile_loadd(7, w + panel_stride + i * kLanes, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (PanelTiles > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (RowTiles > 1) {
-      _tile_loadd(5, a1 + i * tile_rows, kKStep * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (PanelTiles > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  FD_STORE_TILE(0, y, ldy, rows[0], cols[0], tile_rows);
-  if constexpr (PanelTiles > 1) FD_STORE_TILE(1, y + 16, ldy, rows[0], cols[1], tile_rows);
-  if constexpr (RowTiles > 1) FD_STORE_TILE(2, y + tile_rows * ldy, ldy, rows[1], cols[0], tile_rows);
-  if constexpr (RowTiles > 1 && PanelTiles > 1)
-    FD_STORE_TILE(3, y + tile_rows * ldy + 16, ldy, rows[1], cols[1], tile_rows);
-}
-
-#undef FD_STORE_TILE
-
-using AmxBlock = void (*)(const uint16_t*, int64_t, int, const uint16_t*, int64_t, float*, int64_t, const int*,
-                          const int*, const char*, int64_t);
-
-// An OpenMP task of amx_linear: up to kAmxRowBlocks x kAmxPanelBlocks blocks (256 rows by 8 panels),
-// panel by panel over its rows, so that both its rows and its panels stay in L2 (one block at a
-// time over the whole weight read it again from L3 for every 32 rows: measured 894 -> 984 GFLOP/s
-// on a 2048-row gate/up on the AMX Xeon, 1006 -> 1274 at 64 rows).
-constexpr int64_t kAmxRowBlocks = 8, kAmxPanelBlocks = 4, kMinRowBlocksToPrefetch = 4;
-
-// y = round(x) @ B on AMX tiles: x rounded into [tile_rows, 32] bfloat16 tiles, each contiguous
-// (rows padded to whole tiles; a buffer this thread keeps), then blocks of two row tiles by two
-// panels, in tasks of kAmxRowBlocks x kAmxPanelBlocks blocks.
+// y = round(x) @ B on AMX tiles (see amx_gemm.h): x rounded into tiles of up to 16 rows in a
+// buffer this thread keeps.
 void amx_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed, int64_t n, float* y, int threads) {
-  const int64_t kp = padded_k(k), panels = panels_of(n), panel_stride = kp * kLanes;
+  const int64_t kp = padded_k(k);
   const int tile_rows = static_cast<int>(std::min<int64_t>(rows, 16));
-  const int64_t row_tiles = (rows + tile_rows - 1) / tile_rows;
   thread_local AlignedVector<uint16_t> rounded;
-  rounded.resize(static_cast<size_t>(row_tiles * tile_rows * kp));
+  rounded.resize(static_cast<size_t>((rows + tile_rows - 1) / tile_rows * tile_rows * kp));
   uint16_t* a = rounded.data();
 #pragma omp parallel num_threads(threads)
   {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < row_tiles * tile_rows; ++r) {   // into tiles: see amx_block
-      uint16_t* row = a + (r / tile_rows) * tile_rows * kp + (r % tile_rows) * kKStep;
-      for (int64_t c = 0; c < kp; c += kKStep) {
-        uint16_t* part = row + c * tile_rows;
-        const int64_t valid = r < rows ? std::clamp<int64_t>(k - c, 0, kKStep) : 0;
-#pragma omp simd
-        for (int64_t i = 0; i < valid; ++i) part[i] = round_to_bf16_bits(x[r * k + c + i]);
-        std::fill(part + valid, part + kKStep, 0);
-      }
-    }
-    configure_tiles(tile_rows);
-    const int64_t row_blocks = (row_tiles + 1) / 2, panel_blocks = (panels + 1) / 2;
-    const int64_t row_groups = (row_blocks + kAmxRowBlocks - 1) / kAmxRowBlocks;
-    const int64_t panel_groups = (panel_blocks + kAmxPanelBlocks - 1) / kAmxPanelBlocks;
-#pragma omp for schedule(static) collapse(2)
-    for (int64_t rg = 0; rg < row_groups; ++rg)
-      for (int64_t pg = 0; pg < panel_groups; ++pg) {
-        // the panels of this thread's next task (pg + 1), fetched into L2 while this one computes:
-        // otherwise a task's first pass over its panels waits on memory. Not in tasks of few rows
-        // (a decode step): there the panels stream from memory anyway, and the prefetches only
-        // compete with them (measured slower at 1 and 64 rows on the AMX Xeon)
-        const int64_t pb_end = std::min(panel_blocks, (pg + 1) * kAmxPanelBlocks);
-        const int64_t rb_end = std::min(row_blocks, (rg + 1) * kAmxRowBlocks);
-        const bool prefetch = rb_end - rg * kAmxRowBlocks >= kMinRowBlocksToPrefetch;
-        const int64_t next_panels = prefetch ? std::clamp<int64_t>(panels - pb_end * 2, 0, kAmxPanelBlocks * 2) : 0;
-        const int64_t blocks = (pb_end - pg * kAmxPanelBlocks) * (rb_end - rg * kAmxRowBlocks);
-        const int64_t ahead_block = (next_panels * panel_stride * 2 / blocks + 63) / 64 * 64;
-        const int64_t ahead_step = next_panels > 0 ? (ahead_block / (kp / kKStep) + 63) / 64 * 64 : 0;
-        const char* ahead = reinterpret_cast<const char*>(packed + pb_end * 2 * panel_stride);
-        int64_t block_index = 0;
-        for (int64_t pb = pg * kAmxPanelBlocks; pb < pb_end; ++pb)
-          for (int64_t rb = rg * kAmxRowBlocks; rb < rb_end; ++rb, ++block_index) {
-            const int64_t r0 = rb * 2 * tile_rows, p0 = pb * 2;
-            const int block_rows[2] = {static_cast<int>(std::clamp<int64_t>(rows - r0, 0, tile_rows)),
-                                       static_cast<int>(std::clamp<int64_t>(rows - r0 - tile_rows, 0, tile_rows))};
-            const int block_cols[2] = {static_cast<int>(std::clamp<int64_t>(n - p0 * kLanes, 0, kLanes)),
-                                       static_cast<int>(std::clamp<int64_t>(n - (p0 + 1) * kLanes, 0, kLanes))};
-            const bool two_rows = rb * 2 + 1 < row_tiles, two_panels = p0 + 1 < panels;
-            const uint16_t* rows_at = a + r0 * kp;
-            const uint16_t* w = packed + p0 * panel_stride;
-            float* out = y + r0 * n + p0 * kLanes;
-            const AmxBlock block = two_rows ? (two_panels ? amx_block<2, 2> : amx_block<2, 1>)
-                                            : (two_panels ? amx_block<1, 2> : amx_block<1, 1>);
-            block(rows_at, kp, tile_rows, w, panel_stride, out, n, block_rows, block_cols,
-                  ahead + block_index * ahead_step * (kp / kKStep), ahead_step);
-          }
-      }
+    amx_gemm::round_into_tiles(x, rows, k, kp, tile_rows, a);
+    amx_gemm::configure_tiles(tile_rows);
+    amx_gemm::multiply(a, rows, kp, tile_rows, amx_gemm::Panels::plain(packed, kp, panels_of(n)), n,
+                       amx_gemm::StoreSums{y, n, tile_rows});
     _tile_release();
   }
 }

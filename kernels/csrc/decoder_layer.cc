@@ -12,9 +12,10 @@
 // bfloat16 panels (bf16_linear.cc) and come as one list of twelve tensors: codes, scales and mins
 // of each linear, `bits[i]` its code width (16: the panels, then two unused tensors;
 // `round_inputs`: their inputs rounded to bfloat16 too, on AMX tiles where built in;
-// `round_queries`: attention's, with a bfloat16 cache, see paged_attention.cc). The Python
-// side runs steps of fewer than 128 tokens here (see
-// fd_kernels.native.FusedDecoderLayer for why): MKL is never called inside this op.
+// `round_queries`: attention's, with a bfloat16 cache, see paged_attention.cc; with rounded
+// bfloat16 panels the MLP is one fd_bf16_mlp pass, see bf16_mlp.cc). The Python side runs steps of
+// fewer than the binding's max_tokens here (see fd_kernels.native.FusedDecoderLayer for why): MKL
+// is never called inside this op.
 
 #include <vector>
 
@@ -54,7 +55,10 @@ std::vector<paddle::Tensor> DecoderLayer(const paddle::Tensor& x, const paddle::
                                  num_threads)[0];
   paddle::experimental::reshape_(attended, {tokens, static_cast<int64_t>(num_heads) * head_dim});
   auto post = RmsNorm(linear(1, attended), normed[1], post_norm, eps, true, num_threads);
-  auto out = linear(3, Swiglu(linear(2, post[0]), num_threads)[0]);
+  const bool rounded_mlp = bits[2] == 16 && bits[3] == 16 && round_inputs;   // fd_bf16_mlp: one pass on AMX
+  auto out = rounded_mlp ? Bf16Mlp(post[0], weights[2 * kTensorsPerLinear], weights[3 * kTensorsPerLinear],
+                                   widths[2] / 2, widths[3], num_threads, /*mkl_path=*/"")[0]
+                         : linear(3, Swiglu(linear(2, post[0]), num_threads)[0]);
   return {out, post[1]};   // the caches are written in place
 }
 

@@ -24,3 +24,5 @@ std::vector<paddle::Tensor> QuantLinear(const paddle::Tensor& x, const paddle::T
                                         int num_threads, const std::string& mkl_path);
 std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x, const paddle::Tensor& packed, int n, int num_threads,
                                        const std::string& mkl_path, bool round_inputs);
+std::vector<paddle::Tensor> Bf16Mlp(const paddle::Tensor& h, const paddle::Tensor& gate_up, const paddle::Tensor& down,
+                                    int m, int n, int num_threads, const std::string& mkl_path);

@@ -218,7 +218,7 @@ void configure_attention_tiles() {
     config.rows[t] = 16;
     config.bytes_per_row[t] = 64;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // S^T rows of 16 keys (d apart in the cache) for query-vector tiles g0..g0+G-1 of `pairs`

@@ -110,3 +110,27 @@ def test_rounded_inputs_equal_float64_over_both_rounded(linear, rows: int, k: in
     portable = PORTABLE_LINEAR(paddle.to_tensor(x), PORTABLE_LINEAR.prepare(
         paddle.to_tensor(dense), bfloat16=True, bfloat16_inputs=True)).numpy()
     assert np.all(np.abs(portable - want) <= 2e-6 * scale)
+
+
+# m = 64: whole AMX tile columns (the fused pass where the CPU has AMX); 40: the three ops in a row.
+# 700 rows: two chunks of the fused pass (512 rows, then 188), partial row tiles at the end of each
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 700])
+@pytest.mark.parametrize(("hidden", "m"), [(48, 64), (37, 40), (96, 160)])
+def test_the_mlp_equals_its_three_ops_to_the_bit(linear, rows: int, hidden: int, m: int) -> None:
+    """``fd_bf16_mlp``: round(swiglu(round(h) @ gate_up)) @ down, as fd_bf16_linear, fd_swiglu and
+    fd_bf16_linear (inputs rounded) give it, whichever way it runs here."""
+    ops = native.load_native(CpuPlatform().capabilities)
+    rng = np.random.default_rng(rows * hidden + m)
+    gate_up = linear.prepare(paddle.to_tensor(rng.standard_normal((hidden, 2 * m)).astype(np.float32) * 0.3),
+                             bfloat16=True, bfloat16_inputs=True)
+    down = linear.prepare(paddle.to_tensor(rng.standard_normal((m, hidden)).astype(np.float32) * 0.3),
+                          bfloat16=True, bfloat16_inputs=True)
+    h = rng.standard_normal((rows, hidden)).astype(np.float32) * 2
+    h[0, :3] = _ties_and_specials()[:3]
+    h = paddle.to_tensor(h)
+    got = ops.fd_bf16_mlp(h, gate_up.data, down.data, m, hidden, 2, "").numpy()
+    gated = ops.fd_swiglu(ops.fd_bf16_linear(h, gate_up.data, 2 * m, 2, "", True), 2)
+    want = ops.fd_bf16_linear(gated, down.data, hidden, 2, "", True).numpy()
+    assert got.shape == (rows, hidden) and np.abs(want).max() > 0
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ops.fd_bf16_mlp(h, gate_up.data, down.data, m, hidden, 1, "").numpy(), got)

@@ -1,0 +1,224 @@
+// bfloat16 GEMMs on AMX tiles (tdpbf16ps: bfloat16 pairs, float32 sums), shared by the linear
+// layer (bf16_linear.cc) and the fused MLP (bf16_mlp.cc).
+//
+// Operands: A, rows rounded to bfloat16 in [tile_rows, 32] tiles, each contiguous (each 32 columns
+// of a row tile one tile, kp / 32 of them, then the next row tile's; rows padded to whole tiles
+// with zeros); B, a weight in fd_pack_bf16's panels of 16 output features (see bf16_linear.cc).
+// The product runs in blocks of up to two row tiles by two panels over the whole of k (so every
+// sum runs over k in the same order, whatever the blocking or thread count), in OpenMP tasks of
+// kRowBlocks x kPanelBlocks blocks. What happens to a block's sums is the caller's epilogue: stored
+// as they are (StoreSums), or e.g. SwiGLU of a gate and an up panel (bf16_mlp.cc).
+//
+// The functions with `#pragma omp for` inside are called from within a parallel region, by every
+// thread of it, with the tiles configured (configure_tiles) on each.
+
+#pragma once
+
+#if defined(__AMX_BF16__)
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include <immintrin.h>
+
+#include "amx.h"
+#include "bf16.h"
+
+namespace amx_gemm {
+
+constexpr int64_t kKStep = 32;   // one tile row: 32 bfloat16 values of k
+constexpr int64_t kLanes = 16;   // features per panel (the AVX-512 build's)
+
+// Tiles 0-3: float32 sums [rows x 16], 4-5: input rows [rows x 32 bfloat16], 6-7: panels
+// [16 pairs x 16 features].
+inline void configure_tiles(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = t < 6 ? rows : 16;
+    config.bytes_per_row[t] = 64;
+  }
+  load_tile_config(config);
+}
+
+// x [rows, k] float32 rounded into A's tiles at `a` (kp columns, k padded with zeros; see above).
+inline void round_into_tiles(const float* x, int64_t rows, int64_t k, int64_t kp, int tile_rows, uint16_t* a) {
+  const int64_t padded_rows = (rows + tile_rows - 1) / tile_rows * tile_rows;
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < padded_rows; ++r) {
+    uint16_t* row = a + (r / tile_rows) * tile_rows * kp + (r % tile_rows) * kKStep;
+    for (int64_t c = 0; c < kp; c += kKStep) {
+      uint16_t* part = row + c * tile_rows;
+      const int64_t valid = r < rows ? std::clamp<int64_t>(k - c, 0, kKStep) : 0;
+      int64_t i = 0;
+      for (; i + 16 <= valid; i += 16) round_to_bf16_bits16(x + r * k + c + i, part + i);
+      for (; i < valid; ++i) part[i] = round_to_bf16_bits(x[r * k + c + i]);
+      std::fill(part + valid, part + kKStep, 0);
+    }
+  }
+}
+
+// Where A's element (r, c) lies (the layout above).
+inline int64_t tile_offset(int64_t r, int64_t c, int64_t kp, int tile_rows) {
+  return (r / tile_rows) * tile_rows * kp + (c / kKStep) * kKStep * tile_rows + (r % tile_rows) * kKStep + c % kKStep;
+}
+
+// _tile_stored of sums tile `Tile` (the intrinsic's tile is a literal in its assembly).
+template <int Tile>
+inline void store_tile(void* to, int64_t stride_bytes) {
+  static_assert(Tile >= 0 && Tile < 4, "the sums are tiles 0-3");
+  if constexpr (Tile == 0) _tile_stored(0, to, stride_bytes);
+  if constexpr (Tile == 1) _tile_stored(1, to, stride_bytes);
+  if constexpr (Tile == 2) _tile_stored(2, to, stride_bytes);
+  if constexpr (Tile == 3) _tile_stored(3, to, stride_bytes);
+}
+
+// A block's place: its first row (of the operation's) and panel block, and how many of its rows
+// and of its two panels' features exist.
+struct BlockAt {
+  int64_t row, panel_block;
+  int rows[2], cols[2];
+};
+
+// The epilogue of a plain product: a block's sums into y [rows, n] (whole tiles straight from the
+// tile registers, partial ones through a scratch tile).
+struct StoreSums {
+  float* y;
+  int64_t ldy;
+  int tile_rows;
+
+  template <int Tile>
+  void tile(const BlockAt& at, int row_tile, int panel) const {
+    float* out = y + (at.row + row_tile * tile_rows) * ldy + (at.panel_block * 2 + panel) * kLanes;
+    const int valid_rows = at.rows[row_tile], valid_cols = at.cols[panel];
+    if (valid_rows == tile_rows && valid_cols == kLanes) {
+      store_tile<Tile>(out, ldy * 4);
+    } else {
+      alignas(64) float scratch[16 * kLanes];
+      store_tile<Tile>(scratch, kLanes * 4);
+      for (int r = 0; r < valid_rows; ++r) std::memcpy(out + r * ldy, scratch + r * kLanes, 4 * valid_cols);
+    }
+  }
+  void done(const BlockAt&) const {}
+};
+
+// B as the blocks see it: block pb's first panel at `first + pb * block_stride`, its second
+// `second` values after the first (a plain weight: panels 2 pb and 2 pb + 1; a gate/up weight:
+// gate panel pb and up panel pb); `blocks` of them; `two(pb)`: whether block pb has a second panel.
+struct Panels {
+  const uint16_t* first;
+  int64_t panel_stride;   // values from one panel to the next (kp * kLanes)
+  int64_t block_stride, second, blocks, panels;
+  bool gated;
+
+  static Panels plain(const uint16_t* packed, int64_t kp, int64_t panels) {
+    const int64_t stride = kp * kLanes;
+    return {packed, stride, 2 * stride, stride, (panels + 1) / 2, panels, false};
+  }
+  // gate panels [0, half), then up panels [half, 2 half): block pb is (gate pb, up pb)
+  static Panels gate_up(const uint16_t* packed, int64_t kp, int64_t half) {
+    const int64_t stride = kp * kLanes;
+    return {packed, stride, stride, half * stride, half, 2 * half, true};
+  }
+  bool two(int64_t pb) const { return gated || pb * 2 + 1 < panels; }
+  int cols(int64_t pb, int panel, int64_t n) const {   // features of the block's panel that exist
+    if (gated) return kLanes;
+    return static_cast<int>(std::clamp<int64_t>(n - (pb * 2 + panel) * kLanes, 0, kLanes));
+  }
+};
+
+// One block of RowTiles x PanelTiles tiles over the whole of k: `a` its first row tile, `w` its
+// first panel, the second `second` values on. Each step over k also asks for `ahead_step` bytes
+// from `ahead` on (and as many from `ahead + ahead_gap`, when that is not 0: the next task's
+// panels) into L2.
+template <int RowTiles, int PanelTiles, class Epilogue>
+void block(const uint16_t* a, int64_t kp, int tile_rows, const uint16_t* w, int64_t second, const char* ahead,
+           int64_t ahead_step, int64_t ahead_gap, const BlockAt& at, const Epilogue& epilogue) {
+  _tile_zero(0);
+  if constexpr (PanelTiles > 1) _tile_zero(1);
+  if constexpr (RowTiles > 1) _tile_zero(2);
+  if constexpr (RowTiles > 1 && PanelTiles > 1) _tile_zero(3);
+  const uint16_t* a1 = a + tile_rows * kp;
+  for (int64_t i = 0; i < kp; i += kKStep) {
+    const char* fetch = ahead + i / kKStep * ahead_step;
+    for (int64_t b = 0; b < ahead_step; b += 64) _mm_prefetch(fetch + b, _MM_HINT_T1);
+    if (ahead_gap != 0)
+      for (int64_t b = 0; b < ahead_step; b += 64) _mm_prefetch(fetch + ahead_gap + b, _MM_HINT_T1);
+    _tile_loadd(4, a + i * tile_rows, kKStep * 2);
+    _tile_loadd(6, w + i * kLanes, 64);
+    if constexpr (PanelTiles > 1) _tile_loadd(7, w + second + i * kLanes, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (PanelTiles > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RowTiles > 1) {
+      _tile_loadd(5, a1 + i * tile_rows, kKStep * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (PanelTiles > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  epilogue.template tile<0>(at, 0, 0);
+  if constexpr (PanelTiles > 1) epilogue.template tile<1>(at, 0, 1);
+  if constexpr (RowTiles > 1) epilogue.template tile<2>(at, 1, 0);
+  if constexpr (RowTiles > 1 && PanelTiles > 1) epilogue.template tile<3>(at, 1, 1);
+  epilogue.done(at);
+}
+
+// Tasks of up to kRowBlocks x kPanelBlocks blocks (256 rows by 8 panels), panel by panel over their
+// rows, so that both their rows and their panels stay in L2 (one block at a time over the whole
+// weight read it again from L3 for every 32 rows: measured 894 -> 984 GFLOP/s on a 2048-row
+// gate/up on the AMX Xeon, 1006 -> 1274 at 64 rows).
+constexpr int64_t kRowBlocks = 8, kPanelBlocks = 4, kMinRowBlocksToPrefetch = 4;
+// Threads share out the tasks in order: where A fits in L2 the panels are the outer loop (each
+// thread reads its share of the weight, and all of A, once), else the rows (A read once).
+constexpr int64_t kPanelMajorBytes = 1 << 20;
+
+// A [rows, kp] (tiles of tile_rows rows) times the panels, each block's sums to the epilogue;
+// n: the product's features (a plain weight's columns).
+template <class Epilogue>
+void multiply(const uint16_t* a, int64_t rows, int64_t kp, int tile_rows, const Panels& w, int64_t n,
+              const Epilogue& epilogue) {
+  const int64_t row_tiles = (rows + tile_rows - 1) / tile_rows, row_blocks = (row_tiles + 1) / 2;
+  const int64_t row_groups = (row_blocks + kRowBlocks - 1) / kRowBlocks;
+  const int64_t panel_groups = (w.blocks + kPanelBlocks - 1) / kPanelBlocks;
+  const int64_t steps = kp / kKStep;
+  const bool panels_outer = rows * kp * 2 <= kPanelMajorBytes;
+  const int64_t outer = panels_outer ? panel_groups : row_groups, inner = panels_outer ? row_groups : panel_groups;
+#pragma omp for schedule(static) collapse(2)
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t q = 0; q < inner; ++q) {
+      const int64_t rg = panels_outer ? q : o, pg = panels_outer ? o : q;
+      // the panels of this thread's next task (pg + 1), fetched into L2 while this one computes:
+      // otherwise a task's first pass over its panels waits on memory. Not in tasks of few rows
+      // (a decode step): there the panels stream from memory anyway, and the prefetches only
+      // compete with them (measured slower at 1 and 64 rows on the AMX Xeon)
+      const int64_t pb_end = std::min(w.blocks, (pg + 1) * kPanelBlocks);
+      const int64_t rb_end = std::min(row_blocks, (rg + 1) * kRowBlocks);
+      const bool prefetch = rb_end - rg * kRowBlocks >= kMinRowBlocksToPrefetch;
+      const int64_t next_blocks = prefetch ? std::clamp<int64_t>(w.blocks - pb_end, 0, kPanelBlocks) : 0;
+      // a plain weight's next panels are one run; a gate/up weight's two (gate and up)
+      const int64_t run_bytes = w.gated ? next_blocks * w.panel_stride * 2
+                                        : std::min(next_blocks * 2, w.panels - pb_end * 2) * w.panel_stride * 2;
+      const int64_t blocks = (pb_end - pg * kPanelBlocks) * (rb_end - rg * kRowBlocks);
+      const int64_t ahead_block = (run_bytes / blocks + 63) / 64 * 64;
+      const int64_t ahead_step = run_bytes > 0 ? (ahead_block / steps + 63) / 64 * 64 : 0;
+      const char* ahead = reinterpret_cast<const char*>(w.first + pb_end * w.block_stride);
+      const int64_t ahead_gap = w.gated ? w.second * 2 : 0;
+      int64_t block_index = 0;
+      for (int64_t pb = pg * kPanelBlocks; pb < pb_end; ++pb)
+        for (int64_t rb = rg * kRowBlocks; rb < rb_end; ++rb, ++block_index) {
+          const int64_t r0 = rb * 2 * tile_rows;
+          const BlockAt at{r0, pb,
+                           {static_cast<int>(std::clamp<int64_t>(rows - r0, 0, tile_rows)),
+                            static_cast<int>(std::clamp<int64_t>(rows - r0 - tile_rows, 0, tile_rows))},
+                           {w.cols(pb, 0, n), w.cols(pb, 1, n)}};
+          const bool two_rows = rb * 2 + 1 < row_tiles, two_panels = w.two(pb);
+          const auto run = two_rows ? (two_panels ? block<2, 2, Epilogue> : block<2, 1, Epilogue>)
+                                    : (two_panels ? block<1, 2, Epilogue> : block<1, 1, Epilogue>);
+          run(a + r0 * kp, kp, tile_rows, w.first + pb * w.block_stride, w.second,
+              ahead + block_index * ahead_step * steps, ahead_step, ahead_gap, at, epilogue);
+        }
+    }
+}
+
+}  // namespace amx_gemm
+
+#endif  // __AMX_BF16__
