@@ -9,7 +9,9 @@ the embedding), or a :class:`~fd_kernels.quantized.BlockQuantized` ``[out, in]``
 the C++ variant stores it in 16 bits and widens it inside the matmul (half the bytes a decode
 step reads), the portable one keeps the rounded values in float32; inputs and sums stay float32,
 unless ``bfloat16_inputs=True`` rounds each input to bfloat16 too (the C++ variant then
-multiplies on AMX tiles where the CPU has them).
+multiplies on AMX tiles where the CPU has them). ``int8_inputs=True`` quantizes the inputs of a
+block-quantized weight to int8 blocks of 32 (``fd_kernels.quantized.quantize_int8_blocks``): the
+C++ variant multiplies the blocks in integers, the portable one the quantized values in float32.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from typing import Any
 import paddle
 import paddle.nn.functional as F
 
-from fd_kernels.quantized import BlockQuantized, round_to_bfloat16
+from fd_kernels.quantized import BlockQuantized, int8_block_values, round_to_bfloat16
+
+
+def _bfloat16_values(x: paddle.Tensor) -> paddle.Tensor:
+    return x.astype(paddle.bfloat16).astype(paddle.float32)   # to nearest even, as round_to_bfloat16
+
+
+def _int8_values(x: paddle.Tensor) -> paddle.Tensor:
+    return paddle.to_tensor(int8_block_values(x.numpy()), place=x.place)
 
 
 class PortableLinear:
@@ -29,20 +39,22 @@ class PortableLinear:
     name = "portable"
 
     def prepare(self, weight: paddle.Tensor, *, transposed: bool = False, bfloat16: bool = False,
-                bfloat16_inputs: bool = False) -> Any:
+                bfloat16_inputs: bool = False, int8_inputs: bool = False) -> Any:
         """What :meth:`__call__` takes for ``weight`` (here: the weight itself; with ``bfloat16``, a
         float32 weight rounded to bfloat16 values, still stored as float32, and with
-        ``bfloat16_inputs`` each input rounded the same way before the matmul)."""
+        ``bfloat16_inputs`` each input rounded the same way before the matmul; a block-quantized
+        weight dequantized, with ``int8_inputs`` each input replaced by its int8 blocks' values)."""
         if isinstance(weight, BlockQuantized):
-            return (paddle.to_tensor(weight.dequantize()), True, False)
+            return (paddle.to_tensor(weight.dequantize()), True, _int8_values if int8_inputs else None)
         if bfloat16 and weight.dtype == paddle.float32:
-            return (paddle.to_tensor(round_to_bfloat16(weight.numpy())), transposed, bfloat16_inputs)
-        return (weight, transposed, False)
+            return (paddle.to_tensor(round_to_bfloat16(weight.numpy())), transposed,
+                    _bfloat16_values if bfloat16_inputs else None)
+        return (weight, transposed, None)
 
     def __call__(self, x: paddle.Tensor, prepared: Any, bias: paddle.Tensor | None = None) -> paddle.Tensor:
-        weight, transposed, round_inputs = prepared
-        if round_inputs:   # Paddle's cast rounds to nearest even, as round_to_bfloat16 does
-            x = x.astype(paddle.bfloat16).astype(paddle.float32)
+        weight, transposed, round_input = prepared
+        if round_input is not None:
+            x = round_input(x)
         if transposed:
             out = paddle.matmul(x, weight, transpose_y=True)
             return out if bias is None else out + bias

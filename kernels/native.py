@@ -52,13 +52,15 @@ class NativeKernelsUnavailable(Exception):
 def isa_flags(capabilities: Collection[str]) -> tuple[str, ...]:
     """Compiler flags for the declared ISA features (baseline x86-64 when none)."""
     declared = set(capabilities)
-    if {"avx512f", "avx2", "fma"} <= declared:   # only F: the probe does not declare dq/bw/vl
+    if {"avx512f", "avx2", "fma"} <= declared:   # F, and VL where VNNI needs it: the probe declares no dq/bw
         avx512 = ("-mavx2", "-mfma", "-mavx512f")
+        if {"avx512_vnni", "avx512vl"} <= declared:   # quant_linear.cc's int8 dot products (vpdpbusd)
+            avx512 = (*avx512, "-mavx512vl", "-mavx512vnni")
         if "amx_bf16" in declared:   # the tiles of bf16_linear.cc (amx_bf16 implies amx_tile)
             return (*avx512, "-mamx-tile", "-mamx-bf16")
         return avx512
     if {"avx2", "fma"} <= declared:
-        return ("-mavx2", "-mfma")
+        return ("-mavx2", "-mfma", "-mavxvnni") if "avx_vnni" in declared else ("-mavx2", "-mfma")
     return ()
 
 
@@ -161,12 +163,13 @@ class PackedLinear:
         self._threads = _threads()
 
     def prepare(self, weight: Any, *, transposed: bool = False, bfloat16: bool = False,
-                bfloat16_inputs: bool = False) -> Any:
+                bfloat16_inputs: bool = False, int8_inputs: bool = False) -> Any:
         """The packed weight (a uint8 tensor that must stay where it is) and its output width, or the
         quantized weight's codes, scales and mins as tensors. ``bfloat16`` applies to float32 weights;
-        ``bfloat16_inputs`` (with ``bfloat16``) rounds each input as well: AMX tiles where built in."""
+        ``bfloat16_inputs`` (with ``bfloat16``) rounds each input as well: AMX tiles where built in;
+        ``int8_inputs`` quantizes a block-quantized weight's inputs to int8 blocks: integer dot products."""
         if isinstance(weight, BlockQuantized):
-            return _Quantized(weight)
+            return _Quantized(weight, int8_inputs)
         if str(weight.dtype) not in ("paddle.float32", "float32"):
             return PORTABLE_LINEAR.prepare(weight, transposed=transposed)
         width = weight.shape[0] if transposed else weight.shape[1]
@@ -182,7 +185,7 @@ class PackedLinear:
                                            prepared.round_inputs)
         elif isinstance(prepared, _Quantized):
             out = self._ops.fd_quant_linear(x, prepared.codes, prepared.scales, prepared.mins, prepared.bits,
-                                            self._threads, self._mkl)
+                                            self._threads, self._mkl, prepared.round_inputs)
         else:
             return PORTABLE_LINEAR(x, prepared, bias)
         return out if bias is None else out + bias
@@ -212,14 +215,15 @@ class _Bf16:
 
 
 class _Quantized:
-    """``fd_quant_linear``'s operands: a block-quantized weight's codes, scales and mins."""
+    """``fd_quant_linear``'s operands: a block-quantized weight's codes, scales and mins
+    (``round_inputs``: its inputs quantized to int8 blocks)."""
 
-    __slots__ = ("bits", "codes", "scales", "mins", "width")
+    __slots__ = ("bits", "codes", "scales", "mins", "width", "round_inputs")
 
-    def __init__(self, weight: BlockQuantized) -> None:
+    def __init__(self, weight: BlockQuantized, round_inputs: bool) -> None:
         import paddle
 
-        self.bits, self.width = weight.bits, weight.shape[0]
+        self.bits, self.width, self.round_inputs = weight.bits, weight.shape[0], round_inputs
         self.codes, self.scales, self.mins = (paddle.to_tensor(a) for a in (weight.codes, weight.scales, weight.mins))
 
     def operands(self) -> tuple[Any, Any, Any]:
@@ -235,7 +239,7 @@ class FusedBinding:
     tensors: list[Any]
     bits: list[int]
     widths: list[int]
-    round_inputs: bool
+    round_inputs: list[int]   # per linear: its input rounded to its weights' kind (bfloat16 or int8)
     max_tokens: int
 
 
@@ -271,10 +275,11 @@ class FusedDecoderLayer:
         """The op's operands for these four linears, or ``None`` (see ``fd_kernels.decoder_layer``)."""
         if qkv_bias is not None or not all(isinstance(prepared, (_Quantized, _Bf16)) for prepared in linears):
             return None
-        rounded = [isinstance(prepared, _Bf16) and prepared.round_inputs for prepared in linears]
+        on_tiles = all(isinstance(prepared, _Bf16) and prepared.round_inputs for prepared in linears)
         return FusedBinding([t for prepared in linears for t in prepared.operands()],
                             [prepared.bits for prepared in linears], [prepared.width for prepared in linears],
-                            any(rounded), self.amx_max_tokens if self._amx and all(rounded) else self.max_tokens)
+                            [int(prepared.round_inputs) for prepared in linears],
+                            self.amx_max_tokens if self._amx and on_tiles else self.max_tokens)
 
     def __call__(self, bound: FusedBinding, x: Any, residual: Any, input_norm: Any,
                  post_norm: Any, k_cache: Any, v_cache: Any, attn: Any, cos: Any, sin: Any, num_heads: int,

@@ -7,7 +7,8 @@ nibbles of a block's 16 bytes are values 0-15, the high nibbles 16-31); 8-bit co
 Scales and mins are float32, so :meth:`dequantize` equals GGUF's dequantization bit for bit
 (a half-precision scale times a small integer is exact in float32).
 
-:func:`round_to_bfloat16` gives the values a bfloat16 weight (``linear_weights = "bfloat16"``) holds.
+:func:`round_to_bfloat16` gives the values a bfloat16 weight (``linear_weights = "bfloat16"``) holds;
+:func:`quantize_int8_blocks` the int8 blocks an input becomes with ``linear_inputs = "int8"``.
 """
 
 from __future__ import annotations
@@ -121,3 +122,22 @@ def round_to_bfloat16(matrix: np.ndarray) -> np.ndarray:
     rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
     return np.where(np.isnan(matrix), np.float32(np.nan), rounded.view(np.float32)).astype(np.float32)
 
+
+
+def quantize_int8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[..., k]`` as int8 codes ``[..., k]`` and float32 scales ``[..., k / 32]``: per block of
+    32, scale ``d = max|x| / 127`` and codes ``rint(x * (1 / d))`` (0 where ``d`` is 0), every step in
+    float32, as ``csrc/int8_inputs.h`` computes them (the same bits)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    blocks = x.reshape(*x.shape[:-1], -1, BLOCK)
+    scales = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales != 0)
+    codes = np.rint(blocks * inverse[..., None]).astype(np.int8)
+    return codes.reshape(x.shape), scales
+
+
+def int8_block_values(x: np.ndarray) -> np.ndarray:
+    """The values ``d * q`` that :func:`quantize_int8_blocks` leaves of ``x`` (float32, ``x``'s shape)."""
+    codes, scales = quantize_int8_blocks(x)
+    values = codes.reshape(*scales.shape, BLOCK).astype(np.float32) * scales[..., None]
+    return values.reshape(codes.shape)

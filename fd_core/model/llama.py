@@ -14,6 +14,8 @@ in their blocks (a float32 model) and the embedding lookup reads a float32 copy.
 bfloat16, which the C++ linear kernel stores in 16 bits (inputs and sums stay float32; with
 ``linear_inputs="bfloat16"`` the inputs are rounded too, multiplied on AMX tiles where the CPU has them).
 ``attention_inputs="bfloat16"`` rounds attention's queries (for a bfloat16 cache: AMX tiles again).
+``linear_inputs="int8"`` quantizes the inputs of the matrices kept in blocks to int8 blocks of 32
+(the C++ kernel's integer dot products).
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ if TYPE_CHECKING:
 
 #: Compute dtypes the model accepts (the platform says which it runs); float32 is the tested path.
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-#: What ``linear_weights``, ``linear_inputs`` and ``attention_inputs`` may be: kept in float32 or
-#: rounded to bfloat16.
+#: What ``linear_weights`` and ``attention_inputs`` may be: kept in float32 or rounded to bfloat16;
+#: ``linear_inputs`` may also be int8 (for block-quantized matrices).
 ROUNDINGS: tuple[str, ...] = ("float32", "bfloat16")
+LINEAR_INPUTS: tuple[str, ...] = (*ROUNDINGS, "int8")
 #: Rows of one MLP chunk in steps with more (see LlamaForCausalLM._mlp).
 MLP_ROWS = 512
 
@@ -86,14 +89,16 @@ class LlamaForCausalLM:
                  attention_inputs: str = "float32") -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
-        for name, value in (("linear_weights", linear_weights), ("linear_inputs", linear_inputs),
-                            ("attention_inputs", attention_inputs)):
-            if value not in ROUNDINGS:
-                raise ValueError(f"{name} {value!r} is not supported; use one of {ROUNDINGS}")
+        for name, value, allowed in (("linear_weights", linear_weights, ROUNDINGS),
+                                     ("linear_inputs", linear_inputs, LINEAR_INPUTS),
+                                     ("attention_inputs", attention_inputs, ROUNDINGS)):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r} is not supported; use one of {allowed}")
         if linear_inputs == "bfloat16" and linear_weights != "bfloat16":
             raise ValueError("linear_inputs 'bfloat16' needs linear_weights 'bfloat16'")
         self.round_queries = attention_inputs == "bfloat16"
         rounding = {"bfloat16": linear_weights == "bfloat16", "bfloat16_inputs": linear_inputs == "bfloat16"}
+        int8_inputs = linear_inputs == "int8"
         expected = expected_weight_shapes(arch)
         missing = [name for name in expected if name not in weights]
         if missing:
@@ -120,7 +125,7 @@ class LlamaForCausalLM:
 
         def linear(*blocks: np.ndarray | BlockQuantized) -> Any:  # HF [out, in] blocks, prepared
             if keeps_blocks(*blocks):
-                return kernels.linear.prepare(stack_rows(list(blocks)))
+                return kernels.linear.prepare(stack_rows(list(blocks)), int8_inputs=int8_inputs)
             dense = [b.dequantize() if isinstance(b, BlockQuantized) else b for b in blocks]
             return kernels.linear.prepare(tensor(np.concatenate(dense, axis=0).T), **rounding)  # [in, sum(out)]
 
@@ -149,7 +154,7 @@ class LlamaForCausalLM:
         # [vocab, hidden], applied transposed (a tied head reads the embedding).
         head = embedding if arch.tie_word_embeddings else weights["lm_head.weight"]
         if keeps_blocks(head):
-            self.lm_head = kernels.linear.prepare(head)
+            self.lm_head = kernels.linear.prepare(head, int8_inputs=int8_inputs)
         else:
             self.lm_head = kernels.linear.prepare(self.embed_tokens if arch.tie_word_embeddings else tensor(head),
                                                   transposed=True, **rounding)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Final
 
 #: Features the cpu platform reports and may turn into capabilities, in display order.
-ISA_FEATURES: Final = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+ISA_FEATURES: Final = ("avx2", "fma", "avx_vnni", "avx512f", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16",
+                        "amx_int8")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,12 @@
 //
 // Weights (qkv, o, gate_up, down, in that order) are block-quantized (see quant_linear.cc) or
 // bfloat16 panels (bf16_linear.cc) and come as one list of twelve tensors: codes, scales and mins
-// of each linear, `bits[i]` its code width (16: the panels, then two unused tensors;
-// `round_inputs`: their inputs rounded to bfloat16 too, on AMX tiles where built in;
-// `round_queries`: attention's, with a bfloat16 cache, see paged_attention.cc; with rounded
-// bfloat16 panels the MLP is one fd_bf16_mlp pass, see bf16_mlp.cc). The Python side runs steps of
+// of each linear, `bits[i]` its code width (16: the panels, then two unused tensors), and
+// `round_inputs[i]` whether its input is rounded to the weights' kind: to bfloat16 for panels (on
+// AMX tiles where built in; with rounded gate/up and down panels the MLP is one fd_bf16_mlp
+// pass, see bf16_mlp.cc), to int8 blocks for block-quantized weights (quant_linear.cc's integer
+// dot products). `round_queries`: attention's queries, with a bfloat16 cache, see
+// paged_attention.cc. The Python side runs steps of
 // fewer than the binding's max_tokens here (see fd_kernels.native.FusedDecoderLayer for why): MKL
 // is never called inside this op.
 
@@ -36,14 +38,17 @@ std::vector<paddle::Tensor> DecoderLayer(const paddle::Tensor& x, const paddle::
                                          const paddle::Tensor& row_starts, const paddle::Tensor& row_lens,
                                          const std::vector<paddle::Tensor>& weights, const std::vector<int>& bits,
                                          const std::vector<int>& widths, int num_heads, int head_dim, float eps,
-                                         bool has_residual, bool round_inputs, bool round_queries,
-                                         int num_threads) {
-  PD_CHECK(bits.size() == kLinears && widths.size() == kLinears && weights.size() == kLinears * kTensorsPerLinear,
+                                         bool has_residual, const std::vector<int>& round_inputs,
+                                         bool round_queries, int num_threads) {
+  PD_CHECK(bits.size() == kLinears && widths.size() == kLinears && round_inputs.size() == kLinears &&
+               weights.size() == kLinears * kTensorsPerLinear,
            "fd_decoder_layer: four linears (qkv, o, gate_up, down), three tensors each");
   const auto linear = [&](size_t i, const paddle::Tensor& in) {   // in @ W^T of linear i
     const size_t at = i * kTensorsPerLinear;
-    if (bits[i] == 16) return Bf16Linear(in, weights[at], widths[i], num_threads, /*mkl_path=*/"", round_inputs)[0];
-    return QuantLinear(in, weights[at], weights[at + 1], weights[at + 2], bits[i], num_threads, /*mkl_path=*/"")[0];
+    const bool rounded = round_inputs[i] != 0;
+    if (bits[i] == 16) return Bf16Linear(in, weights[at], widths[i], num_threads, /*mkl_path=*/"", rounded)[0];
+    return QuantLinear(in, weights[at], weights[at + 1], weights[at + 2], bits[i], num_threads, /*mkl_path=*/"",
+                       rounded)[0];
   };
   const int64_t tokens = x.shape()[0];
 
@@ -55,7 +60,7 @@ std::vector<paddle::Tensor> DecoderLayer(const paddle::Tensor& x, const paddle::
                                  num_threads)[0];
   paddle::experimental::reshape_(attended, {tokens, static_cast<int64_t>(num_heads) * head_dim});
   auto post = RmsNorm(linear(1, attended), normed[1], post_norm, eps, true, num_threads);
-  const bool rounded_mlp = bits[2] == 16 && bits[3] == 16 && round_inputs;   // fd_bf16_mlp: one pass on AMX
+  const bool rounded_mlp = bits[2] == 16 && bits[3] == 16 && round_inputs[2] && round_inputs[3];   // fd_bf16_mlp
   auto out = rounded_mlp ? Bf16Mlp(post[0], weights[2 * kTensorsPerLinear], weights[3 * kTensorsPerLinear],
                                    widths[2] / 2, widths[3], num_threads, /*mkl_path=*/"")[0]
                          : linear(3, Swiglu(linear(2, post[0]), num_threads)[0]);
@@ -84,7 +89,7 @@ PD_BUILD_OP(fd_decoder_layer)
              "RowTables", "RowStarts", "RowLens", paddle::Vec("Weights")})
     .Outputs({"Out", "ResidualOut", "KCacheOut", "VCacheOut"})
     .Attrs({"bits: std::vector<int>", "widths: std::vector<int>", "num_heads: int", "head_dim: int", "eps: float",
-            "has_residual: bool", "round_inputs: bool", "round_queries: bool", "num_threads: int"})
+            "has_residual: bool", "round_inputs: std::vector<int>", "round_queries: bool", "num_threads: int"})
     .SetInplaceMap({{"KCache", "KCacheOut"}, {"VCache", "VCacheOut"}})
     .SetKernelFn(PD_KERNEL(DecoderLayer))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayerShape))

@@ -21,7 +21,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
 std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x, int num_threads);
 std::vector<paddle::Tensor> QuantLinear(const paddle::Tensor& x, const paddle::Tensor& codes,
                                         const paddle::Tensor& scales, const paddle::Tensor& mins, int bits,
-                                        int num_threads, const std::string& mkl_path);
+                                        int num_threads, const std::string& mkl_path, bool int8_inputs);
 std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x, const paddle::Tensor& packed, int n, int num_threads,
                                        const std::string& mkl_path, bool round_inputs);
 std::vector<paddle::Tensor> Bf16Mlp(const paddle::Tensor& h, const paddle::Tensor& gate_up, const paddle::Tensor& down,

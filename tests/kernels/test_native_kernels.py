@@ -224,5 +224,10 @@ def test_isa_flags_follow_the_declared_features_only() -> None:
     assert native.isa_flags({"avx512f"}) == ()     # never more than what is declared together
     assert native.isa_flags({"avx2", "fma", "avx512f", "amx_bf16"})[-2:] == ("-mamx-tile", "-mamx-bf16")
     assert not any("amx" in flag for flag in native.isa_flags({"avx2", "fma", "amx_bf16"}))
+    # VNNI (quant_linear.cc's int8 dot products): the EVEX form needs avx512vl declared with it
+    assert native.isa_flags({"avx2", "fma", "avx512f", "avx512vl", "avx512_vnni"})[-2:] == ("-mavx512vl", "-mavx512vnni")
+    assert not any("vnni" in flag for flag in native.isa_flags({"avx2", "fma", "avx512f", "avx512_vnni"}))
+    assert native.isa_flags({"avx2", "fma", "avx_vnni"}) == ("-mavx2", "-mfma", "-mavxvnni")
+    assert native.isa_flags({"avx_vnni"}) == ()
     assert native.cache_dir(("-mavx2", "-mfma")) != native.cache_dir(())
 

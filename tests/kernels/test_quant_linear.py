@@ -1,6 +1,7 @@
 """Block-quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 kept in their blocks): the container equals
 gguf's own dequantization bit for bit, and the C++ matmul that widens the blocks in registers
-equals a float32 matmul of the dequantized weight (up to the order of the sums)."""
+equals a float32 matmul of the dequantized weight (up to the order of the sums); with int8 inputs,
+the same matmul of the inputs' int8 block values (integer dot products in C++)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from fd_kernels import native
 from fd_kernels.linear import PORTABLE_LINEAR
-from fd_kernels.quantized import BlockQuantized, from_gguf_blocks, stack_rows
+from fd_kernels.quantized import (BlockQuantized, from_gguf_blocks, int8_block_values, quantize_int8_blocks,
+                                  stack_rows)
 from fd_plugins.platforms.cpu import CpuPlatform
 
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
@@ -96,3 +98,43 @@ def test_portable_linear_dequantizes_a_quantized_weight() -> None:
     x = rng.standard_normal((5, 64)).astype(np.float32)
     got = PORTABLE_LINEAR(paddle.to_tensor(x), PORTABLE_LINEAR.prepare(from_gguf_blocks("Q8_0", raw, (12, 64))))
     np.testing.assert_allclose(got.numpy(), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_inputs_quantize_to_int8_blocks_of_32() -> None:
+    x = np.random.default_rng(7).standard_normal((3, 96)).astype(np.float32)
+    x[1, 32:64] = 0.0                                        # an all-zero block: scale 0, codes 0
+    x[2, :32] = np.float32(2.5) * np.sign(x[2, :32])         # max 2.5 -> scale 2.5/127: codes +-127
+    codes, scales = quantize_int8_blocks(x)
+    assert codes.dtype == np.int8 and codes.shape == (3, 96) and scales.shape == (3, 3)
+    assert scales[1, 1] == 0 and not codes[1, 32:64].any()
+    assert set(np.abs(codes[2, :32]).tolist()) == {127}
+    np.testing.assert_array_equal(scales, np.abs(x.reshape(3, 3, 32)).max(-1) / np.float32(127))
+    assert np.abs(codes.astype(np.int32)).max() <= 127
+    values = int8_block_values(x)
+    assert np.all(np.abs(values - x).reshape(3, 3, 32) <= scales[..., None] / 2 * (1 + 1e-6))
+    # nearest even at an exact tie: x / d = 2.5 rounds to 2, -3.5 to -4
+    tie = np.zeros(32, np.float32)
+    tie[:3] = [127.0, 2.5, -3.5]
+    np.testing.assert_array_equal(quantize_int8_blocks(tie)[0][:3], [127, 2, -4])
+
+
+# 1 and 2: decode rows (two chains of blocks, 5 blocks a row: one left over); 3 and 13: partial
+# tiles; 100: two row tasks; 150: past kGemmRows, the inputs' int8 values through MKL's sgemm
+@pytest.mark.parametrize("rows", [1, 2, 3, 13, 100, 150])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpp_int8_input_matmul_equals_float_matmul_of_the_int8_values(linear, kind: str, rows: int) -> None:
+    rng = np.random.default_rng(rows + 11)
+    raw, dense = _gguf_tensor(rng, kind, 37, 160)
+    x = (rng.standard_normal((rows, 160)) * rng.uniform(0.1, 10, size=(rows, 1))).astype(np.float32)
+    x[0, 32:64] = 0.0   # an all-zero input block
+    bias = rng.standard_normal(37).astype(np.float32)
+    weight = from_gguf_blocks(kind, raw, (37, 160))
+    got = linear(paddle.to_tensor(x), linear.prepare(weight, int8_inputs=True), paddle.to_tensor(bias)).numpy()
+    want = int8_block_values(x).astype(np.float64) @ dense.T.astype(np.float64) + bias
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * scale)
+    float_inputs = linear(paddle.to_tensor(x), linear.prepare(weight), paddle.to_tensor(bias)).numpy()
+    assert np.abs(float_inputs - got).max() > 1e-4 * scale   # the inputs were quantized
+    portable = PORTABLE_LINEAR(paddle.to_tensor(x), PORTABLE_LINEAR.prepare(weight, int8_inputs=True),
+                               paddle.to_tensor(bias)).numpy()
+    np.testing.assert_allclose(portable, want, rtol=2e-5, atol=2e-5 * scale)

@@ -96,7 +96,7 @@ def test_bfloat16_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_mod
                    dtype="bfloat16")
     model = llm.engine.runner.model
     assert all(layer.fused is not None and layer.qkv.bits == 16 for layer in model.layers)
-    assert all(layer.fused.round_inputs == (linear_inputs == "bfloat16") for layer in model.layers)
+    assert all(layer.fused.round_inputs == [int(linear_inputs == "bfloat16")] * 4 for layer in model.layers)
     # AMX-rounded layers never reach MKL: their 143-token prefill step runs fused as well
     amx = linear_inputs == "bfloat16" and "amx_bf16" in CpuPlatform().capabilities
     limit = FusedDecoderLayer.amx_max_tokens if amx else FusedDecoderLayer.max_tokens
@@ -105,6 +105,26 @@ def test_bfloat16_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_mod
     model.layers = [dataclasses.replace(layer, fused=None) for layer in model.layers]
     assert _answers(llm) == fused
     assert _all_blocks_free(llm)
+
+
+# 93 prompt tokens: fused prefill; 100: op by op, the int8 values through MKL's sgemm
+@pytest.mark.parametrize("prompts", [PROMPTS[:2] + [list(range(40, 90))], PROMPTS], ids=["fused-prefill", "big-prefill"])
+def test_int8_inputs_run_fused_equal_the_op_by_op_layer_and_free_every_block(tiny_gguf, prompts) -> None:
+    _needs_cpp_kernels()
+    llm = _llm(tiny_gguf, "keep", linear_inputs="int8", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert all(layer.fused.round_inputs == [1, 1, 1, 1] for layer in model.layers) and model.lm_head.round_inputs
+    int8 = _answers(llm, prompts)
+    model.layers = [dataclasses.replace(layer, fused=None) for layer in model.layers]
+    assert _answers(llm, prompts) == int8   # the same kernels in the same order: bit-identical
+    float_inputs = _answers(_llm(tiny_gguf, "keep", enable_prefix_caching=False), prompts)
+    assert [logprobs for _, logprobs in int8] != [logprobs for _, logprobs in float_inputs]
+    assert _all_blocks_free(llm)
+
+
+def test_int8_inputs_without_kept_blocks_name_the_key(tiny_gguf) -> None:
+    with pytest.raises(ConfigError, match=r"model\.linear_inputs.*'int8' inputs are multiplied with weights kept"):
+        load_config(model={"source": tiny_gguf, "linear_inputs": "int8"})
 
 
 def test_float32_layers_run_op_by_op(tiny_gguf) -> None:
