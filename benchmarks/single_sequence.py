@@ -4,8 +4,10 @@ A prompt of ``--prompt-len`` seeded token ids, then ``--new-tokens`` greedy toke
 each engine: prefill tok/s = prompt length / t(1 new token), decode tok/s = (N - 1) / (t(N) - t(1)),
 end to end = N / t(N), wall clock through each one's Python API after a warm-up (t(1) the best of
 two). fd-engine runs once per ``--fd LABEL=JSON`` (config sections; default: float32 weights and
-weights kept in their GGUF blocks), each in its own process; llama.cpp runs when
-``--llamacpp-venv`` names a venv with ``llama-cpp-python`` (``n_threads`` = the CPUs here).
+weights kept in their GGUF blocks), each in its own process; ``--fd-tree LABEL=PATH`` runs that
+label from another source tree (e.g. a ``git worktree`` of the commit before a change, for
+before/after in one run). llama.cpp runs when ``--llamacpp-venv`` names a venv with
+``llama-cpp-python`` (``n_threads`` = the CPUs here).
 
     python benchmarks/single_sequence.py --llamacpp-venv /tmp/venv-llama --json-out /tmp/single.json
 """
@@ -17,8 +19,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
+
+from side_by_side import import_root
 
 # Runs inside the engine's process (fd-engine) or the llama.cpp venv; prints one JSON line.
 _TIMING = """
@@ -70,10 +75,16 @@ def generate(n):
 """
 
 
-def _run(python: str, setup: str, args: argparse.Namespace) -> dict:
+def _run(python: str, setup: str, args: argparse.Namespace, tree: Path | None = None) -> dict:
+    """One engine's timings, in a process of its own (imports from ``tree`` when given)."""
     script = textwrap.dedent(_TIMING).format(prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                              seed=args.seed, setup=textwrap.dedent(setup))
-    proc = subprocess.run([python, "-c", script], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="fd-single-") as scratch:
+        env = dict(os.environ)
+        if tree is not None:
+            env["PYTHONPATH"] = str(import_root(tree, Path(scratch)))
+        # cwd: not this checkout, whose packages `python -c` would import first
+        proc = subprocess.run([python, "-c", script], capture_output=True, text=True, env=env, cwd=scratch)
     if proc.returncode != 0:
         raise SystemExit(f"{python} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -85,6 +96,8 @@ def main() -> int:
     parser.add_argument("--fd", action="append", metavar="LABEL=JSON",
                         help='fd-engine with these config sections (default: fp32={} and '
                              'keep={"model": {"quantized_weights": "keep"}})')
+    parser.add_argument("--fd-tree", action="append", default=[], metavar="LABEL=PATH",
+                        help="run --fd LABEL from the source tree at PATH (default: the installed one)")
     parser.add_argument("--llamacpp-venv", type=Path)
     parser.add_argument("--llamacpp-plain-buffers", action="store_true",
                         help="load llama.cpp's weights without its extra buffer types (AMX, repacked): "
@@ -99,9 +112,11 @@ def main() -> int:
 
         args.model = str(resolve_alias(DEFAULT_MODEL_ALIAS))
     variants = args.fd or ["fp32={}", 'keep={"model": {"quantized_weights": "keep"}}']
+    trees = {label: Path(path) for label, _, path in (t.partition("=") for t in args.fd_tree)}
     results = {}
     for label, _, sections in (v.partition("=") for v in variants):
-        results[f"fd-engine {label}"] = _run(sys.executable, _FD_SETUP.format(sections=sections, model=args.model), args)
+        results[f"fd-engine {label}"] = _run(sys.executable, _FD_SETUP.format(sections=sections, model=args.model),
+                                             args, trees.get(label))
     if args.llamacpp_venv:
         setup = _LLAMACPP_SETUP.format(model=args.model, threads=len(os.sched_getaffinity(0)),
                                        plain_buffers=args.llamacpp_plain_buffers)
