@@ -21,9 +21,11 @@
 // attend_tile_amx), and a prefill task's weighted sum of the values too (its softmax weights rounded
 // to bfloat16: amx_values); elsewhere the rounded queries take the float32 path: the same products,
 // summed in another order, softmax and the weighted sum of the values in float32.
-// Tasks are spread over OpenMP threads when the step is large enough to pay for them.
+// Tasks are spread over OpenMP threads when the step is large enough to pay for them; a decode row
+// of a step of very few rows is split along its keys (kSplitRows), so that it has tasks for them.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -50,6 +52,24 @@ struct Shapes {
 
 struct Task {
   int64_t row, kv_head, first_token, first_pos, count;   // queries [first_token, +count) at first_pos..
+  int64_t key_begin, key_end;   // the keys it reads: [0, first_pos + count), or a part of a split row's
+  int64_t part;                 // a split row's part: its slot in the partial results; -1: not split
+};
+
+// A decode row of a step with fewer than kSplitRows rows is split into parts of about kSplitKeys
+// keys (whole blocks), so that its few KV heads still give every thread work: each part's softmax
+// numerators and sums are combined afterwards (combine_parts). One row of SmolLM2 (3 KV heads) at
+// 1,000 keys took 3.9 ms a step in attention on one of two cores. The split depends on the shapes
+// only, never on the thread count, so results do not change with it.
+constexpr int64_t kSplitRows = 4;
+constexpr int64_t kSplitKeys = 128;
+
+// A part's unnormalised results: per query vector its scores' max, its softmax numerators' sum, and
+// the numerator-weighted sum of the values (d floats).
+struct Partial {
+  float* top;
+  float* total;
+  float* out;
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -441,17 +461,20 @@ inline bool amx_attention(const Shapes& s) {
 }
 #endif  // __AMX_BF16__ && __AVX512F__
 
-// Attention of `task.count` consecutive queries of one row for the query heads of one kv head. Kept
-// out of line: inlined into the OpenMP region, GCC's code for it ran a third slower (measured).
+// Attention of `task.count` consecutive queries of one row for the query heads of one kv head, over
+// keys [key_begin, key_end): normalised into `out`, or for a part of a split row unnormalised into
+// `partial`. Kept out of line: inlined into the OpenMP region, GCC's code for it ran a third slower
+// (measured).
 template <typename T>
 [[gnu::noinline]] void attend_tile(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
                                    const Task& task, const Shapes& s, float scale, bool round_queries, float* out,
-                                   Scratch& scratch) {
+                                   Scratch& scratch, const Partial* partial) {
   const int64_t group = s.heads / s.kv_heads;
   const int64_t d = s.head_dim;
   const int64_t bs = s.block_size;
   const int64_t mq = task.count * group;               // query vector m is query m / group, head m % group
-  const int64_t keys = task.first_pos + task.count;   // the last query sees every key of the tile
+  const int64_t begin = task.key_begin, end = task.key_end;
+  const int64_t keys = end - begin;                    // a score row's length
   scratch.queries.resize(static_cast<size_t>(mq * d));
   scratch.scores.resize(static_cast<size_t>(mq * keys));
   scratch.out.assign(static_cast<size_t>(mq * d), 0.f);
@@ -469,14 +492,14 @@ template <typename T>
   auto block_of = [&](const T* cache, int64_t b) {
     return cache + (table[b] * s.kv_heads + task.kv_head) * bs * d;
   };
-  const int64_t blocks = (keys + bs - 1) / bs;
-  for (int64_t b = 0; b < blocks; ++b) {
+  const int64_t first_block = begin / bs, blocks = (end + bs - 1) / bs;   // begin is a block's first key
+  for (int64_t b = first_block; b < blocks; ++b) {
     if (b + 1 < blocks) prefetch_block(block_of(k_cache, b + 1), bs * d);
-    else prefetch_block(block_of(v_cache, 0), bs * d);
-    block_scores(queries, mq, block_of(k_cache, b), std::min(bs, keys - b * bs), d, scores + b * bs, keys);
+    else prefetch_block(block_of(v_cache, first_block), bs * d);
+    block_scores(queries, mq, block_of(k_cache, b), std::min(bs, end - b * bs), d, scores + b * bs - begin, keys);
   }
   for (int64_t m = 0; m < mq; ++m) {
-    const int64_t seen = task.first_pos + m / group + 1;
+    const int64_t seen = std::min(task.first_pos + m / group + 1, end) - begin;
     float* row = scores + m * keys;
     float top = row[0];
 #pragma omp simd reduction(max : top)
@@ -487,37 +510,83 @@ template <typename T>
       row[j] = fast_exp(row[j] - top);
       total += row[j];
     }
-    const float inv = 1.f / total;
+    if (partial != nullptr) {
+      partial->top[m] = top;
+      partial->total[m] = total;
+    } else {
+      const float inv = 1.f / total;
 #pragma omp simd
-    for (int64_t j = 0; j < seen; ++j) row[j] *= inv;
+      for (int64_t j = 0; j < seen; ++j) row[j] *= inv;
+    }
     std::fill(row + seen, row + keys, 0.f);   // keys after this query's position
   }
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = first_block; b < blocks; ++b) {
     const T* values = block_of(v_cache, b);
     if (b + 1 < blocks) prefetch_block(block_of(v_cache, b + 1), bs * d);
-    const int64_t n = std::min(bs, keys - b * bs);
+    const int64_t n = std::min(bs, end - b * bs);
     for (int64_t query = 0; query < task.count; ++query) {   // its `group` heads see the same keys
       const int64_t seen = std::min(n, task.first_pos + query + 1 - b * bs);
       if (seen <= 0) continue;
       const int64_t m0 = query * group;
-      if (accumulate_group(scores + m0 * keys + b * bs, keys, values, seen, d, group, scratch.out.data() + m0 * d))
-        continue;
+      const float* weights = scores + m0 * keys + b * bs - begin;
+      if (accumulate_group(weights, keys, values, seen, d, group, scratch.out.data() + m0 * d)) continue;
       for (int64_t m = m0; m < m0 + group; ++m)
-        accumulate_values(scores + m * keys + b * bs, values, seen, d, scratch.out.data() + m * d);
+        accumulate_values(weights + (m - m0) * keys, values, seen, d, scratch.out.data() + m * d);
     }
   }
-  for (int64_t m = 0; m < mq; ++m) std::copy_n(scratch.out.data() + m * d, d, out + vector_offset(task, s, m));
+  for (int64_t m = 0; m < mq; ++m)
+    std::copy_n(scratch.out.data() + m * d, d, partial != nullptr ? partial->out + m * d : out + vector_offset(task, s, m));
+}
+
+// The parts of split rows: part p's query vectors from p * group, `group` of them, each with a top,
+// a total and d floats of values.
+struct Partials {
+  int64_t group, d;
+  std::vector<float> data;
+  Partial of(int64_t part) {
+    float* at = data.data() + part * group * (d + 2);
+    return {at, at + group, at + 2 * group};
+  }
+};
+
+// The attention of each split row and kv head from its parts (tasks first .. first + parts - 1,
+// whose first is task `first`): softmax numerators rescaled to the largest max, then normalised.
+void combine_parts(const std::vector<Task>& tasks, int64_t first, int64_t parts, Partials& partials,
+                   const Shapes& s, float* out) {
+  const int64_t group = partials.group, d = partials.d;
+  for (int64_t m = 0; m < group; ++m) {
+    float top = -3.0e38f;
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, partials.of(tasks[first + p].part).top[m]);
+    float total = 0.f;
+    float* dst = out + vector_offset(tasks[first], s, m);
+    std::fill(dst, dst + d, 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const Partial part = partials.of(tasks[first + p].part);
+      const float weight = std::exp(part.top[m] - top);
+      total += weight * part.total[m];
+      for (int64_t c = 0; c < d; ++c) dst[c] += weight * part.out[m * d + c];
+    }
+    const float inv = 1.f / total;
+    for (int64_t c = 0; c < d; ++c) dst[c] *= inv;
+  }
+}
+
+// Whether tasks on this cache take the AMX path (see attend_tile_amx).
+template <typename T>
+bool amx_tasks(const Shapes& s, bool round_queries) {
+#if defined(__AMX_BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, Bf16>) return round_queries && amx_attention(s);
+#endif
+  (void)s, (void)round_queries;
+  return false;
 }
 
 template <typename T>
 void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache, const T* v_cache,
                const int64_t* tables, const Shapes& s, float scale, bool round_queries, float* out, int threads,
-               int64_t chunk) {
+               int64_t chunk, Partials& partials) {
   const auto num_tasks = static_cast<int64_t>(tasks.size());
-  bool amx = false;
-#if defined(__AMX_BF16__) && defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, Bf16>) amx = round_queries && amx_attention(s);
-#endif
+  const bool amx = amx_tasks<T>(s, round_queries);
 #pragma omp parallel num_threads(threads)
   {
     const FlushDenormals flush;
@@ -537,7 +606,12 @@ void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache,
         }
       }
 #endif
-      attend_tile(q, k_cache, v_cache, table, task, s, scale, round_queries, out, scratch);
+      if (task.part < 0) {
+        attend_tile(q, k_cache, v_cache, table, task, s, scale, round_queries, out, scratch, nullptr);
+      } else {
+        const Partial partial = partials.of(task.part);
+        attend_tile(q, k_cache, v_cache, table, task, s, scale, round_queries, out, scratch, &partial);
+      }
     }
 #if defined(__AMX_BF16__) && defined(__AVX512F__)
     if (amx) _tile_release();
@@ -567,15 +641,32 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const int64_t* start = starts.data<int64_t>();
   const int64_t* lens = query_lens.data<int64_t>();
 
+  const bool bf16_cache = cache_dtype == paddle::DataType::BFLOAT16;
+  const bool amx = bf16_cache ? amx_tasks<Bf16>(s, round_queries) : amx_tasks<float>(s, round_queries);
+  bool decode = true;
+  for (int64_t r = 0; r < rows; ++r) decode = decode && lens[r] == 1;
+  const bool split = decode && rows < kSplitRows && !amx;
+  const int64_t part_keys = std::max<int64_t>(1, kSplitKeys / s.block_size) * s.block_size;
+  const int64_t group = s.heads / s.kv_heads;
+
   std::vector<Task> tasks;
-  int64_t token = 0, work = 0;
+  int64_t token = 0, work = 0, parts = 0;
   for (int64_t r = 0; r < rows; ++r) {
     PD_CHECK(lens[r] >= 1 && start[r] + lens[r] <= s.width * s.block_size,
              "fd_paged_attention: row ", r, " does not fit its block table");
     for (int64_t first = 0; first < lens[r]; first += kQueryTile) {
       const int64_t count = std::min(kQueryTile, lens[r] - first);
-      for (int64_t h = 0; h < s.kv_heads; ++h) tasks.push_back({r, h, token + first, start[r] + first, count});
-      work += count * (start[r] + first + count) * s.heads;
+      const int64_t keys = start[r] + first + count;
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        if (split && keys > part_keys) {
+          for (int64_t begin = 0; begin < keys; begin += part_keys)
+            tasks.push_back({r, h, token + first, start[r] + first, count, begin, std::min(keys, begin + part_keys),
+                             parts++});
+        } else {
+          tasks.push_back({r, h, token + first, start[r] + first, count, 0, keys, -1});
+        }
+      }
+      work += count * keys * s.heads;
     }
     token += lens[r];
   }
@@ -585,18 +676,30 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const float* qp = q.data<float>();
   float* op = out.data<float>();
   const auto num_tasks = static_cast<int64_t>(tasks.size());
-  const int threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>({num_threads, num_tasks, work / kMinWorkPerThread})));
+  // split rows use every thread (that is what they are split for); otherwise a step takes threads
+  // as its work pays for them
+  const int64_t paid = parts > 0 ? num_threads : work / kMinWorkPerThread;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({num_threads, num_tasks, paid})));
   // a decode step hands out a row's kv heads together, so one thread reads its blocks (the heads
   // side by side in the cache; 64 rows x 270 keys: 0.78 -> 0.67-0.71 ms on the AMX Xeon); a
-  // prefill step's tasks grow along the row, and go out one by one (evener ends)
-  const int64_t chunk = token == rows ? s.kv_heads : 1;
-  if (cache_dtype == paddle::DataType::BFLOAT16)
+  // prefill step's tasks grow along the row, and go out one by one (evener ends), as split parts do
+  const int64_t chunk = decode && parts == 0 ? s.kv_heads : 1;
+  Partials partials{group, s.head_dim, std::vector<float>(static_cast<size_t>(parts * group * (s.head_dim + 2)))};
+  if (bf16_cache)
     run_tasks(tasks, qp, cache_data<Bf16>(k_cache), cache_data<Bf16>(v_cache), tables, s, scale, round_queries, op,
-              threads, chunk);
+              threads, chunk, partials);
   else
     run_tasks(tasks, qp, cache_data<float>(k_cache), cache_data<float>(v_cache), tables, s, scale, round_queries, op,
-              threads, chunk);
+              threads, chunk, partials);
+  for (int64_t t = 0; t < num_tasks;) {   // a split row's parts are consecutive tasks
+    int64_t n = 1;
+    if (tasks[t].part >= 0)
+      while (t + n < num_tasks && tasks[t + n].part >= 0 && tasks[t + n].row == tasks[t].row &&
+             tasks[t + n].kv_head == tasks[t].kv_head)
+        ++n;
+    if (tasks[t].part >= 0) combine_parts(tasks, t, n, partials, s, op);
+    t += n;
+  }
   return {out};
 }
 

@@ -58,6 +58,8 @@ def _random(rng: np.random.Generator, *shape: int) -> paddle.Tensor:
 def _rows(rng: np.random.Generator, block_size: int, case: str) -> list[tuple[int, int]]:
     if case == "decode":
         return [(int(s), 1) for s in rng.integers(0, 4 * block_size, size=37)]
+    if case == "few-decode":   # a step of few decode rows: the long one split along its keys
+        return [(int(rng.integers(129, 700)), 1), (int(rng.integers(0, 100)), 1)]
     if case == "prefill":
         return [(0, int(rng.integers(2, 3 * block_size)))]
     # ragged: decode rows, a chunk continuing a prompt past block boundaries, a fresh prompt
@@ -66,7 +68,7 @@ def _rows(rng: np.random.Generator, block_size: int, case: str) -> list[tuple[in
 
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 2, 32), (32, 4, 128)])
-@pytest.mark.parametrize("case", ["decode", "prefill", "ragged"])
+@pytest.mark.parametrize("case", ["decode", "few-decode", "prefill", "ragged"])
 @pytest.mark.parametrize(("cache_dtype", "round_queries"), [("float32", False), ("bfloat16", False),
                                                             ("bfloat16", True)])
 def test_cpp_attention_matches_the_reference(cpp, block_size: int, heads: int, kv_heads: int, head_dim: int,
@@ -84,12 +86,28 @@ def test_cpp_attention_matches_the_reference(cpp, block_size: int, heads: int, k
     q = _random(rng, attn.num_tokens, heads, head_dim) * (1 / np.sqrt(head_dim))
     want = pa.attention_reference(q, k_cache, v_cache, attn, round_queries=round_queries).numpy()
     got = cpp["attention"](q, k_cache, v_cache, attn, round_queries=round_queries).numpy()
-    if round_queries and case != "decode":
+    if round_queries and "decode" not in case:
         rounded_weights = 2.0 ** -8 * np.abs(v_cache.astype("float32").numpy()).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=rounded_weights + 2e-6)
         assert np.abs(got - want).mean() < 2.0 ** -10   # roundings that cancel (measured ~2^-12); a lost key: ~1e-2
     else:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_split_decode_rows_give_the_same_bits_on_any_thread_count(cpp, cache_dtype: str) -> None:
+    """One decode row of 700 keys: split into parts of 128 keys whatever the thread count."""
+    ops = native.load_native(CpuPlatform().capabilities)
+    rng = np.random.default_rng(3)
+    attn = _step(rng, [(700, 1)], 16, 9, 3)
+    k_cache, v_cache = (_random(rng, NUM_BLOCKS, 3, 16, 64).astype(cache_dtype) for _ in range(2))
+    q = _random(rng, 1, 9, 64) * (1 / np.sqrt(64))
+    one, two, three = (ops.fd_paged_attention(q, k_cache, v_cache, attn.row_tables, attn.row_starts, attn.row_lens,
+                                              1.0, False, threads)[0].numpy() for threads in (1, 2, 3))
+    np.testing.assert_array_equal(one, two)
+    np.testing.assert_array_equal(one, three)
+    want = pa.attention_reference(q, k_cache, v_cache, attn).numpy()
+    np.testing.assert_allclose(one.reshape(want.shape), want, rtol=1e-5, atol=2e-6)
 
 
 def test_rounded_queries_change_the_result(cpp) -> None:
