@@ -538,8 +538,8 @@ template <typename T>
     std::copy_n(scratch.out.data() + m * d, d, partial != nullptr ? partial->out + m * d : out + vector_offset(task, s, m));
 }
 
-// The parts of split rows: part p's query vectors from p * group, `group` of them, each with a top,
-// a total and d floats of values.
+// The partial results of split rows' parts: part p's slot holds its `group` query vectors' tops,
+// then their totals, then their d values each.
 struct Partials {
   int64_t group, d;
   std::vector<float> data;
