@@ -1,7 +1,8 @@
-"""Where a decode step's time goes: ms per component, for each kernel choice, in one run.
+"""Where a decode (or prefill) step's time goes: ms per component, for each kernel choice, in one run.
 
 Fills the engine with ``--rows`` requests of ``--prompt-len`` tokens, runs their prefills, then
-times ``--steps`` decode steps. Each swappable kernel (``fd_core.model.kernels``; the linear
+times ``--steps`` decode steps; with ``--phase prefill`` it times those prefills instead (steps of
+up to 2,048 tokens, after an untimed prefill of a few requests). Each swappable kernel (``fd_core.model.kernels``; the linear
 layers by weight name) and the embedding are wrapped in a timer; "engine + other" is the rest of ``EngineCore.step`` (scheduling, metadata, sampling, outputs).
 Paddle's CPU ops run synchronously, so wall time around a call is that op's time.
 
@@ -94,7 +95,8 @@ def instrument(llm: Any, timers: Timers) -> None:
     model.forward = timers.wrap("model forward", model.forward)
 
 
-def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict[str, Any]) -> dict:
+def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict[str, Any],
+            phase: str = "decode") -> dict:
     from fd_core import LLM
     from fd_core.request import Request, SamplingParams
 
@@ -108,28 +110,53 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
     instrument(llm, timers)
     core = llm.engine
     vocab = core.runner.arch.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-    for i in range(rows):
-        core.add_request(Request(f"r{i}", [(7 * i + 13 * t) % (vocab - 3) + 3 for t in range(prompt_len)],
-                                 sampling_params=params))
-    while core.stats().num_prompt_tokens < rows * prompt_len:   # every prompt computed
+
+    def add(count: int, max_tokens: int, tag: str) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(count):
+            core.add_request(Request(f"{tag}{i}", [(7 * i + 13 * t) % (vocab - 3) + 3 for t in range(prompt_len)],
+                                     sampling_params=params))
+
+    def step() -> None:
+        timers.seconds["engine step"] -= time.perf_counter()
         failed = [o.error for o in core.step() if o.error]
+        timers.seconds["engine step"] += time.perf_counter()
         if failed:
             raise RuntimeError(f"a request failed: {failed[0]}")
-    core.step()                      # one untimed decode step
-    timers.on = True
-    begin = time.perf_counter()
-    for _ in range(steps):
-        timers.seconds["engine step"] -= time.perf_counter()
-        core.step()
-        timers.seconds["engine step"] += time.perf_counter()
-    wall = time.perf_counter() - begin
+
+    def prefill_all(expected_tokens: int) -> int:   # engine steps until every prompt is computed
+        taken = 0
+        while core.stats().num_prompt_tokens < expected_tokens:
+            step()
+            taken += 1
+        return taken
+
+    if phase == "prefill":
+        add(min(rows, 4), 1, "warm")
+        prefill_all(min(rows, 4) * prompt_len)
+        done = core.stats().num_prompt_tokens
+        add(rows, 1, "r")
+        timers.seconds.clear()
+        timers.on = True
+        begin = time.perf_counter()
+        steps = prefill_all(done + rows * prompt_len)
+        rate = {"prefill_tok_s": round(rows * prompt_len / (time.perf_counter() - begin), 1)}
+    else:
+        add(rows, steps + 4, "r")
+        prefill_all(rows * prompt_len)
+        step()                           # one untimed decode step
+        timers.seconds.clear()
+        timers.on = True
+        begin = time.perf_counter()
+        for _ in range(steps):
+            step()
+        rate = {"decode_tok_s": round(rows * steps / (time.perf_counter() - begin), 1)}
     per_step = {name: round(1000 * s / steps, 3) for name, s in timers.seconds.items()}
     inner = sum(v for k, v in per_step.items() if k not in ("engine step", "model forward"))
     per_step["model: other ops"] = round(per_step["model forward"] - inner, 3)
     per_step["engine + other"] = round(per_step["engine step"] - per_step["model forward"], 3)
-    return {"kernels": kernels, "sections": requested, "chosen": core.runner.kernels.describe(), "rows": rows, "prompt_len": prompt_len,
-            "steps": steps, "ms_per_step": per_step, "decode_tok_s": round(rows * steps / wall, 1)}
+    return {"kernels": kernels, "sections": requested, "chosen": core.runner.kernels.describe(), "rows": rows,
+            "prompt_len": prompt_len, "phase": phase, "steps": steps, "ms_per_step": per_step, **rate}
 
 
 def main() -> int:
@@ -137,7 +164,8 @@ def main() -> int:
     parser.add_argument("--kernels", default="portable,auto")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="decode steps to time")
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
                         help="also run the auto kernels with these config sections, shown as LABEL")
     parser.add_argument("--json-out")
@@ -145,7 +173,8 @@ def main() -> int:
     parser.add_argument("--one-sections", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.rows, args.prompt_len, args.steps, json.loads(args.one_sections))))
+        print(json.dumps(measure(args.one, args.rows, args.prompt_len, args.steps, json.loads(args.one_sections),
+                                 args.phase)))
         return 0
     runs = [(kernels, kernels, "{}") for kernels in args.kernels.split(",") if kernels]
     runs += [(label, "auto", sections) for label, _, sections in (v.partition("=") for v in args.variant)]
@@ -153,7 +182,7 @@ def main() -> int:
     for label, kernels, sections in runs:
         proc = subprocess.run([sys.executable, __file__, "--one", kernels, "--one-sections", sections,
                                "--rows", str(args.rows), "--prompt-len", str(args.prompt_len),
-                               "--steps", str(args.steps)], capture_output=True, text=True)
+                               "--steps", str(args.steps), "--phase", args.phase], capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-2000:], file=sys.stderr)
             return 1
@@ -162,12 +191,17 @@ def main() -> int:
 
     cpu = probe_cpu_features().describe()
     components = sorted({k for r in reports for k in r["ms_per_step"]})
-    print(f"CPU: {cpu}; decode step of {args.rows} rows at context ~{args.prompt_len}, ms per step")
+    if args.phase == "prefill":
+        print(f"CPU: {cpu}; prefill of {args.rows} prompts of {args.prompt_len} tokens, ms per step")
+    else:
+        print(f"CPU: {cpu}; decode step of {args.rows} rows at context ~{args.prompt_len}, ms per step")
     print("| component | " + " | ".join(r["label"] for r in reports) + " |")
     print("|---|" + "---|" * len(reports))
     for name in components:
         print(f"| {name} | " + " | ".join(f"{r['ms_per_step'].get(name, 0):.2f}" for r in reports) + " |")
-    print("| decode tok/s | " + " | ".join(str(r["decode_tok_s"]) for r in reports) + " |")
+    rate = f"{args.phase}_tok_s"
+    print("| steps | " + " | ".join(str(r["steps"]) for r in reports) + " |")
+    print(f"| {args.phase} tok/s | " + " | ".join(str(r[rate]) for r in reports) + " |")
     for r in reports:
         print(f"{r['label']}: {r['chosen']}")
     if args.json_out:
