@@ -160,7 +160,9 @@ def test_the_portable_kernels_run_block_quantized_weights_as_float32(tiny_gguf) 
 
 def test_a_step_s_mlp_in_row_chunks_equals_the_whole_step(tiny_model_dir, monkeypatch) -> None:
     """The prefill step here (143 rows) runs op by op: its MLP cut into chunks of 7 rows gives the
-    same tokens and log-probabilities, to the bit (bfloat16 panels: each row's sums in one order)."""
+    same tokens, and log-probabilities equal up to the order of sums: from 128 rows on the bfloat16
+    linear multiplies by MKL's GEMM, whose sums on an AMD EPYC (its AVX2 path) change in the last
+    bits with the row count (on the AMX Xeon they matched to the bit)."""
     from fd_core.model import llama
 
     _needs_cpp_kernels()
@@ -171,6 +173,9 @@ def test_a_step_s_mlp_in_row_chunks_equals_the_whole_step(tiny_model_dir, monkey
     real_mlp = llama.LlamaForCausalLM._mlp
     monkeypatch.setattr(llama.LlamaForCausalLM, "_mlp", lambda self, h, layer: calls.append(h.shape[0])
                         or real_mlp(self, h, layer))
-    assert _answers(llm) == whole
+    chunked = _answers(llm)
+    assert [tokens for tokens, _ in chunked] == [tokens for tokens, _ in whole]
+    for (_, logprobs), (_, expected) in zip(chunked, whole, strict=True):
+        np.testing.assert_allclose(logprobs, expected, rtol=0, atol=1e-4)
     assert max(calls) > 7   # the long step went through the chunked MLP
     assert _all_blocks_free(llm)
