@@ -58,6 +58,8 @@ def isa_flags(capabilities: Collection[str]) -> tuple[str, ...]:
             avx512 = (*avx512, "-mavx512vl", "-mavx512vnni")
         if "amx_bf16" in declared:   # the tiles of bf16_linear.cc (amx_bf16 implies amx_tile)
             return (*avx512, "-mamx-tile", "-mamx-bf16")
+        if {"bf16_dot_products", "avx512_bf16"} <= declared:   # bf16_linear.cc's vdpbf16ps tiles
+            return (*avx512, "-mavx512bf16")
         return avx512
     if {"avx2", "fma"} <= declared:
         return ("-mavx2", "-mfma", "-mavxvnni") if "avx_vnni" in declared else ("-mavx2", "-mfma")
@@ -259,27 +261,27 @@ class FusedDecoderLayer:
     #: dispatch per layer, and there the linears hand their matmuls to MKL (``kGemmRows`` in
     #: ``csrc/quant_linear.cc`` and ``csrc/bf16_linear.cc``), which this op never calls.
     max_tokens = 128
-    #: The limit for bfloat16 panels with rounded inputs in a build with AMX: none. Those never
-    #: reach MKL, and the op runs the MLP in chunks of rows itself (``csrc/bf16_mlp.cc``), so steps
-    #: of every size gain from the one dispatch and the fused MLP (a 4096-token prefill step of
-    #: SmolLM2 among them). Were the tiles refused at run time, such a step would multiply in
-    #: float32 without MKL: the same values, summed in another order.
-    amx_max_tokens = sys.maxsize
+    #: The limit for bfloat16 panels with rounded inputs in a build that multiplies bfloat16 itself
+    #: (AMX tiles or vdpbf16ps): none. Those never reach MKL, and with AMX the op runs the MLP in
+    #: chunks of rows itself (``csrc/bf16_mlp.cc``), so steps of every size gain from the one
+    #: dispatch (a 4096-token prefill step of SmolLM2 among them). Were AMX's tiles refused at run
+    #: time, such a step would multiply in float32 without MKL: the same values, summed in another order.
+    bf16_products_max_tokens = sys.maxsize
 
-    def __init__(self, ops: ModuleType, amx: bool) -> None:
+    def __init__(self, ops: ModuleType, bf16_products: bool) -> None:
         self._op = ops.fd_decoder_layer
         self._threads = _threads()
-        self._amx = amx
+        self._bf16_products = bf16_products
 
     def bind(self, linears: Sequence[Any], qkv_bias: Any) -> FusedBinding | None:
         """The op's operands for these four linears, or ``None`` (see ``fd_kernels.decoder_layer``)."""
         if qkv_bias is not None or not all(isinstance(prepared, (_Quantized, _Bf16)) for prepared in linears):
             return None
-        on_tiles = all(isinstance(prepared, _Bf16) and prepared.round_inputs for prepared in linears)
+        rounded = all(isinstance(prepared, _Bf16) and prepared.round_inputs for prepared in linears)
         return FusedBinding([t for prepared in linears for t in prepared.operands()],
                             [prepared.bits for prepared in linears], [prepared.width for prepared in linears],
                             [int(prepared.round_inputs) for prepared in linears],
-                            self.amx_max_tokens if self._amx and on_tiles else self.max_tokens)
+                            self.bf16_products_max_tokens if self._bf16_products and rounded else self.max_tokens)
 
     def __call__(self, bound: FusedBinding, x: Any, residual: Any, input_norm: Any,
                  post_norm: Any, k_cache: Any, v_cache: Any, attn: Any, cos: Any, sin: Any, num_heads: int,
@@ -296,7 +298,8 @@ class FusedDecoderLayer:
 
 def prepare_decoder_layer(capabilities: Collection[str]) -> FusedDecoderLayer:
     """The C++ ``decoder_layer`` variant (see :class:`FusedDecoderLayer`)."""
-    return FusedDecoderLayer(load_native(capabilities), amx="-mamx-bf16" in isa_flags(capabilities))
+    flags = isa_flags(capabilities)
+    return FusedDecoderLayer(load_native(capabilities), bf16_products="-mamx-bf16" in flags or "-mavx512bf16" in flags)
 
 
 def prepare_linear(capabilities: Collection[str]) -> PackedLinear:

@@ -39,6 +39,9 @@ FUSED_RMS_NORM: Final = "fused_rms_norm"
 #: Capability: fd-engine's C++ host kernels (``fd_kernels/csrc``) may run on this device's tensors,
 #: built for the ISA features the platform also declares (``avx2``, ``fma``, ``avx512f``).
 CPP_KERNELS: Final = "cpp_kernels"
+#: Capability: bfloat16 pair dot products (``vdpbf16ps``) outrun float32 FMA on this CPU, so the C++
+#: kernels multiply operands already rounded to bfloat16 with them (needs ``avx512_bf16`` too).
+BF16_DOT_PRODUCTS: Final = "bf16_dot_products"
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,11 @@ and on the MKL path; the portable linear rounds the same values and keeps them i
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import paddle
 import pytest
@@ -134,3 +139,46 @@ def test_the_mlp_equals_its_three_ops_to_the_bit(linear, rows: int, hidden: int,
     assert got.shape == (rows, hidden) and np.abs(want).max() > 0
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(ops.fd_bf16_mlp(h, gate_up.data, down.data, m, hidden, 1, "").numpy(), got)
+
+
+def check_rounded_products(capabilities: list[str]) -> int:
+    """The rounded-inputs linear and the MLP of the library built for ``capabilities``, against
+    float64 and against its three ops (run in a subprocess: one build per process); the shapes checked."""
+    ops = native.load_native(capabilities)
+    checked = 0
+    for rows, k, n in [(1, 37, 40), (13, 576, 160), (150, 96, 50), (300, 64, 48)]:
+        rng = np.random.default_rng(rows * k)
+        dense = rng.standard_normal((k, n)).astype(np.float32)
+        x = (rng.standard_normal((rows, k)) * 3).astype(np.float32)
+        packed = ops.fd_pack_bf16(paddle.to_tensor(dense), False)
+        got = ops.fd_bf16_linear(paddle.to_tensor(x), packed, n, 2, "", True).numpy()
+        rounded_x, rounded_w = (round_to_bfloat16(a).astype(np.float64) for a in (x, dense))
+        scale = np.abs(rounded_x) @ np.abs(rounded_w) + 1
+        assert np.all(np.abs(got - rounded_x @ rounded_w) <= 2e-6 * scale), (rows, k, n)
+        checked += 1
+    m, hidden = 40, 37
+    gate_up = ops.fd_pack_bf16(paddle.to_tensor(rng.standard_normal((hidden, 2 * m)).astype(np.float32)), False)
+    down = ops.fd_pack_bf16(paddle.to_tensor(rng.standard_normal((m, hidden)).astype(np.float32)), False)
+    h = paddle.to_tensor(rng.standard_normal((33, hidden)).astype(np.float32))
+    gated = ops.fd_swiglu(ops.fd_bf16_linear(h, gate_up, 2 * m, 2, "", True), 2)
+    np.testing.assert_array_equal(ops.fd_bf16_mlp(h, gate_up, down, m, hidden, 2, "").numpy(),
+                                  ops.fd_bf16_linear(gated, down, hidden, 2, "", True).numpy())
+    return checked + 1
+
+
+def test_vdpbf16ps_tiles_where_the_hosts_build_does_not_use_them() -> None:
+    """A CPU with avx512_bf16 whose platform multiplies bfloat16 otherwise (AMX) or widens it (Intel
+    without AMX) still builds and checks the vdpbf16ps tiles that AMD's Zen 4 runs by default."""
+    capabilities = CpuPlatform().capabilities
+    if "avx512_bf16" not in capabilities or "cpp_kernels" not in capabilities:
+        pytest.skip("this CPU has no avx512_bf16")
+    if "-mavx512bf16" in native.isa_flags(capabilities):
+        pytest.skip("the host's own build multiplies with vdpbf16ps: the tests above check it")
+    forced = sorted((capabilities - {"amx_bf16", "amx_int8"}) | {"bf16_dot_products"})
+    assert "-mavx512bf16" in native.isa_flags(forced)
+    code = (f"from tests.kernels.test_bf16_linear import check_rounded_products; "
+            f"print(check_rounded_products({json.dumps(forced)}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "5"

@@ -247,5 +247,11 @@ def test_isa_flags_follow_the_declared_features_only() -> None:
     assert not any("vnni" in flag for flag in native.isa_flags({"avx2", "fma", "avx512f", "avx512_vnni"}))
     assert native.isa_flags({"avx2", "fma", "avx_vnni"}) == ("-mavx2", "-mfma", "-mavxvnni")
     assert native.isa_flags({"avx_vnni"}) == ()
+    # vdpbf16ps (bf16_linear.cc): only where the platform declares the dot products fast, never beside AMX's tiles
+    bf16 = {"avx2", "fma", "avx512f", "avx512_bf16"}
+    assert native.isa_flags(bf16 | {"bf16_dot_products"})[-1] == "-mavx512bf16"
+    assert "-mavx512bf16" not in native.isa_flags(bf16)
+    assert "-mavx512bf16" not in native.isa_flags({"avx2", "fma", "avx512_bf16", "bf16_dot_products"})
+    assert "-mavx512bf16" not in native.isa_flags(bf16 | {"bf16_dot_products", "amx_bf16"})
     assert native.cache_dir(("-mavx2", "-mfma")) != native.cache_dir(())
 

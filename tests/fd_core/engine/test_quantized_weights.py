@@ -97,9 +97,11 @@ def test_bfloat16_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_mod
     model = llm.engine.runner.model
     assert all(layer.fused is not None and layer.qkv.bits == 16 for layer in model.layers)
     assert all(layer.fused.round_inputs == [int(linear_inputs == "bfloat16")] * 4 for layer in model.layers)
-    # AMX-rounded layers never reach MKL: their 143-token prefill step runs fused as well
-    amx = linear_inputs == "bfloat16" and "amx_bf16" in CpuPlatform().capabilities
-    limit = FusedDecoderLayer.amx_max_tokens if amx else FusedDecoderLayer.max_tokens
+    # layers rounded for AMX or vdpbf16ps never reach MKL: their 143-token prefill step runs fused as well
+    capabilities = CpuPlatform().capabilities
+    bf16_products = "amx_bf16" in capabilities or "bf16_dot_products" in capabilities
+    limit = (FusedDecoderLayer.bf16_products_max_tokens if linear_inputs == "bfloat16" and bf16_products
+             else FusedDecoderLayer.max_tokens)
     assert all(layer.fused.max_tokens == limit for layer in model.layers)
     fused = _answers(llm)
     model.layers = [dataclasses.replace(layer, fused=None) for layer in model.layers]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from fd_core.contracts.platform import FUSED_RMS_NORM, PAGED_ATTENTION
+from fd_core.contracts.platform import BF16_DOT_PRODUCTS, FUSED_RMS_NORM, PAGED_ATTENTION
 from fd_plugins.platforms import cpu_features
 from fd_plugins.platforms.cpu import CpuPlatform, CpuSettings, read_meminfo
 from fd_plugins.platforms.cpu_features import ISA_FEATURES, CpuFeatures
@@ -64,6 +64,9 @@ def test_device_and_dtypes() -> None:
 AVX2_ONLY = CpuFeatures("AMD EPYC 7B13", frozenset({"avx2", "fma"}), "/proc/cpuinfo", "AuthenticAMD")
 AVX512 = CpuFeatures("Intel Xeon 8481C", frozenset(ISA_FEATURES), "/proc/cpuinfo", "GenuineIntel")
 OLD_AMD = CpuFeatures("AMD Opteron", frozenset(), "/proc/cpuinfo", "AuthenticAMD")
+ZEN4 = CpuFeatures("AMD EPYC 9B14", frozenset(ISA_FEATURES) - {"avx_vnni", "amx_bf16", "amx_int8"}, "/proc/cpuinfo",
+                   "AuthenticAMD")
+INTEL_NO_AMX = CpuFeatures("Intel Xeon", ZEN4.present, "/proc/cpuinfo", "GenuineIntel")
 
 
 @pytest.mark.parametrize(("features", "fused"), [(AVX2_ONLY, False), (AVX512, True)])
@@ -77,7 +80,16 @@ def test_capabilities_follow_the_probed_cpu(monkeypatch: pytest.MonkeyPatch, fea
     assert features.model_name in CpuPlatform.detect().reason
 
 
-@pytest.mark.parametrize("features", [AVX2_ONLY, AVX512])
+@pytest.mark.parametrize(("features", "dot_products"), [(ZEN4, True), (INTEL_NO_AMX, False), (AVX512, False),
+                                                         (AVX2_ONLY, False)])
+def test_bf16_dot_products_only_on_amd_cpus_with_avx512_bf16(monkeypatch: pytest.MonkeyPatch, features: CpuFeatures,
+                                                             dot_products: bool) -> None:
+    monkeypatch.setattr(cpu_features, "probe_cpu_features", lambda: features)
+    assert (BF16_DOT_PRODUCTS in CpuPlatform().capabilities) is dot_products
+    assert BF16_DOT_PRODUCTS not in CpuPlatform(CpuSettings(kernels="portable")).capabilities
+
+
+@pytest.mark.parametrize("features", [AVX2_ONLY, AVX512, ZEN4])
 def test_portable_kernels_declare_no_isa_capability(monkeypatch: pytest.MonkeyPatch, features: CpuFeatures) -> None:
     monkeypatch.setattr(cpu_features, "probe_cpu_features", lambda: features)
     assert CpuPlatform(CpuSettings(kernels="portable")).capabilities == {PAGED_ATTENTION}
