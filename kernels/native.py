@@ -262,8 +262,8 @@ class FusedDecoderLayer:
     #: ``csrc/quant_linear.cc`` and ``csrc/bf16_linear.cc``), which this op never calls.
     max_tokens = 128
     #: The limit for bfloat16 panels with rounded inputs in a build that multiplies bfloat16 itself
-    #: (AMX tiles or vdpbf16ps): none. Those never reach MKL, and with AMX the op runs the MLP in
-    #: chunks of rows itself (``csrc/bf16_mlp.cc``), so steps of every size gain from the one
+    #: (AMX tiles or vdpbf16ps): none. Those never reach MKL, and the op runs the MLP as one fused
+    #: pass itself (``csrc/bf16_mlp.cc``), so steps of every size gain from the one
     #: dispatch (a 4096-token prefill step of SmolLM2 among them). Were AMX's tiles refused at run
     #: time, such a step would multiply in float32 without MKL: the same values, summed in another order.
     bf16_products_max_tokens = sys.maxsize

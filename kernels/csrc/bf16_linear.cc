@@ -44,6 +44,7 @@
 #include "aligned.h"
 #include "amx_gemm.h"
 #include "bf16.h"
+#include "dot_bf16.h"
 #include "mkl_api.h"
 #include "ops.h"
 #include "paddle/extension.h"
@@ -153,25 +154,17 @@ void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, 
     }
 }
 
-// The same tile with bfloat16 input rows (`x`: rounded, k padded to pairs with zeros): each step
-// broadcasts a row's pair of k and adds its products with a panel's pairs in one vdpbf16ps.
+// The same tile with bfloat16 input rows (`x`: rounded, k padded to pairs with zeros; see dot_bf16.h).
 #if defined(__AVX512BF16__)
+static_assert(kLanes == dot_bf16::kLanes, "vdpbf16ps builds are AVX-512 builds: 16 features a panel");
+
 template <int R, int P>
 void dot_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int64_t k, float* y,
               int64_t ldy, int last) {
+  const uint16_t* panels[P];
+  for (int p = 0; p < P; ++p) panels[p] = w + p * panel_stride;
   __m512 acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 2) {
-    __m512bh pairs[P];
-    for (int p = 0; p < P; ++p) pairs[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_stride + i * kLanes);
-    for (int r = 0; r < R; ++r) {
-      int32_t both;
-      std::memcpy(&both, x + r * ldx + i, sizeof both);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(both);
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], a, pairs[p]);
-    }
-  }
+  dot_bf16::accumulate<R, P>(x, ldx, panels, k, acc);
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) {
       float* out = y + r * ldy + p * kLanes;
@@ -289,12 +282,7 @@ void dot_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed,
   rounded.resize(static_cast<size_t>(rows * kp));
   uint16_t* a = rounded.data();
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) round_to_bf16_bits16(x + r * k + i, a + r * kp + i);
-    for (; i < k; ++i) a[r * kp + i] = round_to_bf16_bits(x[r * k + i]);
-    std::fill(a + r * kp + k, a + (r + 1) * kp, 0);
-  }
+  for (int64_t r = 0; r < rows; ++r) dot_bf16::round_rows(x, r, r + 1, k, kp, a);
   tiled(a, kp, rows, kp, packed, n, y, threads);
 }
 
@@ -311,6 +299,13 @@ const float* rounded_copy(const float* x, int64_t count, int threads) {
 }
 
 }  // namespace
+
+#if defined(__AVX512BF16__)
+void dot_bf16::multiply(const uint16_t* a, int64_t lda, int64_t rows, int64_t kp, const uint16_t* packed, int64_t n,
+                        float* y, int threads) {
+  tiled(a, lda, rows, kp, packed, n, y, threads);
+}
+#endif
 
 std::vector<paddle::Tensor> PackBf16(const paddle::Tensor& weight, bool transposed) {
   PD_CHECK(weight.dtype() == paddle::DataType::FLOAT32 && weight.shape().size() == 2,
@@ -356,8 +351,9 @@ std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x, const paddle::Te
 #if defined(__AVX512BF16__)
     dot_linear(in, rows, k, w, n, out.data<float>(), threads);
     return {out};
-#endif
+#else
     in = rounded_copy(in, rows * k, threads);
+#endif
   }
   if (rows >= kGemmRows && !mkl_path.empty())
     widened_gemm(in, rows, k, w, n, out.data<float>(), threads, mkl_path);

@@ -8,7 +8,10 @@
 // give. With AMX (built in, tiles granted, m a multiple of 32) it runs in chunks of kChunkRows rows,
 // and a chunk's gate/up sums go from the tiles through SwiGLU straight into the down projection's
 // input tiles, in bfloat16: the float32 gate/up sums ([T, 2 m]) are never written out, read back
-// by SwiGLU, written again and read again to be rounded. Elsewhere it runs those three ops.
+// by SwiGLU, written again and read again to be rounded. With vdpbf16ps (a build with
+// -mavx512bf16, m a multiple of 16) the same: each tile's gate and up sums go through SwiGLU in
+// registers into the down projection's bfloat16 input rows (see dot_bf16.h). Elsewhere it runs
+// those three ops.
 
 #include <algorithm>
 #include <cstdint>
@@ -18,12 +21,24 @@
 #include "aligned.h"
 #include "amx_gemm.h"
 #include "bf16.h"
+#include "dot_bf16.h"
 #include "fast_exp.h"
 #include "flush_denormals.h"
 #include "ops.h"
 #include "paddle/extension.h"
 
 namespace {
+
+#if defined(__AVX512F__)
+// 16 features' SwiGLU (gate, up: their float32 sums), rounded into bfloat16 at `out`: the values
+// fd_swiglu computes, in the bits fd_bf16_linear rounds them to.
+inline void swiglu_rounded16(const float* gate, const float* up, uint16_t* out) {
+  alignas(64) float gated[16];
+#pragma omp simd
+  for (int i = 0; i < 16; ++i) gated[i] = gate[i] / (1.0f + fast_exp(-gate[i])) * up[i];   // as fd_swiglu
+  round_to_bf16_bits16(gated, out);
+}
+#endif
 
 #if defined(__AMX_BF16__)
 
@@ -54,11 +69,8 @@ struct SwigluIntoTiles {
       for (int r = 0; r < tile_rows; ++r) {   // padding rows too: their sums are 0, and so is SwiGLU's
         const float* gate = scratch + (2 * t) * 16 * kLanes + r * kLanes;
         const float* up = gate + 16 * kLanes;
-        uint16_t* out = a + amx_gemm::tile_offset(at.row + t * tile_rows + r, at.panel_block * kLanes, m, tile_rows);
-        alignas(64) float gated[kLanes];
-#pragma omp simd
-        for (int i = 0; i < kLanes; ++i) gated[i] = gate[i] / (1.0f + fast_exp(-gate[i])) * up[i];   // as fd_swiglu
-        round_to_bf16_bits16(gated, out);
+        swiglu_rounded16(gate, up, a + amx_gemm::tile_offset(at.row + t * tile_rows + r, at.panel_block * kLanes, m,
+                                                             tile_rows));
       }
   }
 };
@@ -93,25 +105,105 @@ void amx_mlp(const float* h, int64_t rows, int64_t hidden, const uint16_t* gate_
 
 #endif  // __AMX_BF16__
 
+#if defined(__AVX512BF16__)
+
+constexpr int kGateRows = 6, kGatePanels = 2;   // 6 rows x (2 gate + 2 up panels): 24 accumulators
+constexpr int64_t kGateRowsPerTask = 64;
+
+// Rows [0, R) of A (lda apart) times gate panels `gate` .. + G - 1 and their up panels (`up_gap`
+// values on), through SwiGLU into `act` (m values a row, the gate panels' features).
+template <int R, int G>
+void gated_tile(const uint16_t* a, int64_t lda, const uint16_t* gate, int64_t panel_stride, int64_t up_gap,
+                int64_t kp, uint16_t* act, int64_t m) {
+  const uint16_t* panels[2 * G];
+  for (int g = 0; g < G; ++g) panels[g] = gate + g * panel_stride, panels[G + g] = gate + up_gap + g * panel_stride;
+  __m512 acc[R][2 * G];
+  dot_bf16::accumulate<R, 2 * G>(a, lda, panels, kp, acc);
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float sums[2][16];
+      _mm512_store_ps(sums[0], acc[r][g]);
+      _mm512_store_ps(sums[1], acc[r][G + g]);
+      swiglu_rounded16(sums[0], sums[1], act + r * m + g * dot_bf16::kLanes);
+    }
+}
+
+using GatedFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t);
+
+template <int R>
+GatedFn gated_fn(int rows, int panels) {
+  if constexpr (R == 1) return panels == 2 ? gated_tile<1, 2> : gated_tile<1, 1>;
+  else if (rows < R) return gated_fn<R - 1>(rows, panels);
+  else return panels == 2 ? gated_tile<R, 2> : gated_tile<R, 1>;
+}
+
+void dot_mlp(const float* h, int64_t rows, int64_t hidden, const uint16_t* gate_up, const uint16_t* down, int64_t m,
+             int64_t n, float* y, int threads) {
+  const int64_t kp = (hidden + 1) / 2 * 2, half = m / dot_bf16::kLanes, panel_stride = kp * dot_bf16::kLanes;
+  thread_local AlignedVector<uint16_t> inputs, activations;
+  inputs.resize(static_cast<size_t>(rows * kp));
+  activations.resize(static_cast<size_t>(rows * m));
+  uint16_t* a = inputs.data();
+  uint16_t* act = activations.data();
+  const int64_t row_tasks = (rows + kGateRowsPerTask - 1) / kGateRowsPerTask;
+  const int64_t groups = (half + kGatePanels - 1) / kGatePanels;
+#pragma omp parallel num_threads(threads)
+  {
+    const FlushDenormals flush;   // as fd_swiglu runs
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) dot_bf16::round_rows(h, r, r + 1, hidden, kp, a);
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t rt = 0; rt < row_tasks; ++rt)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int panels = static_cast<int>(std::min<int64_t>(kGatePanels, half - g * kGatePanels));
+        const int64_t r_end = std::min(rows, (rt + 1) * kGateRowsPerTask);
+        for (int64_t r = rt * kGateRowsPerTask; r < r_end; r += kGateRows)
+          gated_fn<kGateRows>(static_cast<int>(std::min<int64_t>(kGateRows, r_end - r)), panels)(
+              a + r * kp, kp, gate_up + g * kGatePanels * panel_stride, panel_stride, half * panel_stride, kp,
+              act + r * m + g * kGatePanels * dot_bf16::kLanes, m);
+      }
+  }
+  dot_bf16::multiply(act, m, rows, m, down, n, y, threads);
+}
+
+#endif  // __AVX512BF16__
+
+// The fused pass this build and CPU run for intermediate size m, and the multiple of k its panels
+// are padded to; none: the three ops.
+struct FusedPass {
+  void (*run)(const float*, int64_t, int64_t, const uint16_t*, const uint16_t*, int64_t, int64_t, float*, int) = nullptr;
+  int64_t k_step = 1;
+};
+
+FusedPass fused_pass([[maybe_unused]] int64_t m) {
+#if defined(__AMX_BF16__)
+  if (m % kKStep == 0 && amx_granted()) return {amx_mlp, kKStep};
+#endif
+#if defined(__AVX512BF16__)
+  if (m % dot_bf16::kLanes == 0) return {dot_mlp, 2};
+#endif
+  return {};
+}
+
 }  // namespace
 
 std::vector<paddle::Tensor> Bf16Mlp(const paddle::Tensor& h, const paddle::Tensor& gate_up, const paddle::Tensor& down,
                                     int m, int n, int num_threads, const std::string& mkl_path) {
   PD_CHECK(h.dtype() == paddle::DataType::FLOAT32, "fd_bf16_mlp: float32 input");
-#if defined(__AMX_BF16__)
   const int64_t hidden = h.shape().back(), rows = h.numel() / std::max<int64_t>(hidden, 1);
-  if (m % kKStep == 0 && rows > 0 && n > 0 && amx_granted()) {
-    const int64_t kp = (hidden + kKStep - 1) / kKStep * kKStep;
-    PD_CHECK(gate_up.numel() == 2 * m * kp * 2 && down.numel() == (n + kLanes - 1) / kLanes * kLanes * m * 2,
+  const FusedPass fused = fused_pass(m);
+  if (fused.run != nullptr && rows > 0 && n > 0) {
+    constexpr int64_t kPanel = 16;   // features a panel in the AVX-512 builds that fuse
+    const int64_t kp = (hidden + fused.k_step - 1) / fused.k_step * fused.k_step;
+    PD_CHECK(gate_up.numel() == 2 * m * kp * 2 && down.numel() == (n + kPanel - 1) / kPanel * kPanel * m * 2,
              "fd_bf16_mlp: the packed weights are not [", hidden, ", 2 x ", m, "] and [", m, ", ", n, "] weights'");
     auto shape = h.shape();
     shape.back() = n;
     auto out = paddle::empty(shape, h.dtype(), h.place());
-    amx_mlp(h.data<float>(), rows, hidden, reinterpret_cast<const uint16_t*>(gate_up.data<uint8_t>()),
-            reinterpret_cast<const uint16_t*>(down.data<uint8_t>()), m, n, out.data<float>(), std::max(1, num_threads));
+    fused.run(h.data<float>(), rows, hidden, reinterpret_cast<const uint16_t*>(gate_up.data<uint8_t>()),
+              reinterpret_cast<const uint16_t*>(down.data<uint8_t>()), m, n, out.data<float>(), std::max(1, num_threads));
     return {out};
   }
-#endif
   auto gated = Swiglu(Bf16Linear(h, gate_up, 2 * m, num_threads, mkl_path, true)[0], num_threads)[0];
   return Bf16Linear(gated, down, n, num_threads, mkl_path, true);
 }
