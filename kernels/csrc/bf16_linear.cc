@@ -282,7 +282,7 @@ void dot_linear(const float* x, int64_t rows, int64_t k, const uint16_t* packed,
   rounded.resize(static_cast<size_t>(rows * kp));
   uint16_t* a = rounded.data();
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) dot_bf16::round_rows(x, r, r + 1, k, kp, a);
+  for (int64_t r = 0; r < rows; ++r) dot_bf16::round_row(x + r * k, k, kp, a + r * kp);
   tiled(a, kp, rows, kp, packed, n, y, threads);
 }
 

@@ -151,7 +151,7 @@ void dot_mlp(const float* h, int64_t rows, int64_t hidden, const uint16_t* gate_
   {
     const FlushDenormals flush;   // as fd_swiglu runs
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) dot_bf16::round_rows(h, r, r + 1, hidden, kp, a);
+    for (int64_t r = 0; r < rows; ++r) dot_bf16::round_row(h + r * hidden, hidden, kp, a + r * kp);
 #pragma omp for schedule(static) collapse(2)
     for (int64_t rt = 0; rt < row_tasks; ++rt)
       for (int64_t g = 0; g < groups; ++g) {

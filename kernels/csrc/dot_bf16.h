@@ -23,14 +23,12 @@ namespace dot_bf16 {
 
 constexpr int kLanes = 16;   // features per panel
 
-// x [rows, k] float32 rounded into A (kp values a row, the padding zero), rows [begin, end).
-inline void round_rows(const float* x, int64_t begin, int64_t end, int64_t k, int64_t kp, uint16_t* a) {
-  for (int64_t r = begin; r < end; ++r) {
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) round_to_bf16_bits16(x + r * k + i, a + r * kp + i);
-    for (; i < k; ++i) a[r * kp + i] = round_to_bf16_bits(x[r * k + i]);
-    for (; i < kp; ++i) a[r * kp + i] = 0;
-  }
+// A row of k float32 values rounded into `a` (kp values, the padding zero).
+inline void round_row(const float* x, int64_t k, int64_t kp, uint16_t* a) {
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) round_to_bf16_bits16(x + i, a + i);
+  for (; i < k; ++i) a[i] = round_to_bf16_bits(x[i]);
+  for (; i < kp; ++i) a[i] = 0;
 }
 
 // acc[r][p] = sums of R rows of A (lda apart) with panels w[p] over kp (even) values of k.
