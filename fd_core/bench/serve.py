@@ -123,7 +123,10 @@ async def run_benchmark(*, base_url: str, model: str, workload: list[WorkItem], 
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as client:
-        probe = await send_request(client, url, {**payload(workload[0]), "max_tokens": 2})
+        # The probe sends one token of the first prompt: the whole prompt would sit in the server's
+        # prefix cache and make the first timed request look faster than the rest.
+        probe_item = WorkItem(workload[0].prompt[:1], 2)
+        probe = await send_request(client, url, payload(probe_item))
         if not probe.success:
             raise SystemExit(f"fd-bench serve: the test request failed: {probe.error}")
 

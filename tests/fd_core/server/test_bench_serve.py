@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
+
+import httpx
 
 from fd_core.bench.cli import main as fd_bench
 from fd_core.bench.workload import make_workload
+
+
+def prefix_cache_tokens(url: str) -> tuple[float, float]:
+    """(queried, hit) prompt tokens from the server's prefix-cache counters."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return tuple(float(re.search(rf"^fd_prefix_cache_{name}_total (\S+)$", text, re.MULTILINE).group(1))
+                 for name in ("queries", "hits"))
 
 
 def test_workload_is_seeded_and_within_the_length_range():
@@ -18,10 +28,14 @@ def test_workload_is_seeded_and_within_the_length_range():
 
 def test_fd_bench_serve_measures_every_request(tiny_server, tmp_path, capsys):
     out = tmp_path / "bench.json"
+    queried, hits = prefix_cache_tokens(tiny_server.url)
     code = fd_bench(["serve", "--url", tiny_server.url, "--api-key", "sk-test", "--num-prompts", "12",
-                     "--input-len", "32", "--output-len", "8", "--range-ratio", "0.25", "--max-concurrency", "4",
+                     "--input-len", "160", "--output-len", "8", "--range-ratio", "0.25", "--max-concurrency", "4",
                      "--seed", "1", "--json-out", str(out)])
     assert code == 0
+    # Prompts span whole KV blocks, so the cache is asked; neither the test request nor a timed one hits it.
+    assert prefix_cache_tokens(tiny_server.url)[0] > queried
+    assert prefix_cache_tokens(tiny_server.url)[1] == hits
     report = json.loads(out.read_text())
     assert report["completed"] == 12 and report["failed"] == 0
     assert report["total_input_tokens"] == sum(report["input_lens"])
