@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import re
-
-import httpx
 
 from fd_core.bench.cli import main as fd_bench
 from fd_core.bench.workload import make_workload
+from tests.fd_core.server.test_requests import metric, metrics
 
 
 def prefix_cache_tokens(url: str) -> tuple[float, float]:
     """(queried, hit) prompt tokens from the server's prefix-cache counters."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return tuple(float(re.search(rf"^fd_prefix_cache_{name}_total (\S+)$", text, re.MULTILINE).group(1))
-                 for name in ("queries", "hits"))
+    text = metrics(url)
+    return metric(text, "fd_prefix_cache_queries_total"), metric(text, "fd_prefix_cache_hits_total")
 
 
 def test_workload_is_seeded_and_within_the_length_range():
@@ -34,8 +31,9 @@ def test_fd_bench_serve_measures_every_request(tiny_server, tmp_path, capsys):
                      "--seed", "1", "--json-out", str(out)])
     assert code == 0
     # Prompts span whole KV blocks, so the cache is asked; neither the test request nor a timed one hits it.
-    assert prefix_cache_tokens(tiny_server.url)[0] > queried
-    assert prefix_cache_tokens(tiny_server.url)[1] == hits
+    queried_after, hits_after = prefix_cache_tokens(tiny_server.url)
+    assert queried_after > queried
+    assert hits_after == hits
     report = json.loads(out.read_text())
     assert report["completed"] == 12 and report["failed"] == 0
     assert report["total_input_tokens"] == sum(report["input_lens"])
