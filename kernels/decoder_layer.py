@@ -1,11 +1,13 @@
-"""A whole decoder layer as one kernel call, where the kernels allow it.
+"""Runs of decoder layers as one kernel call, where the kernels allow it.
 
 A fused layer kernel has ``bind(linears, qkv_bias)``, called once per layer at load with its four
-prepared linear weights (qkv, o, gate_up, down): it returns what ``__call__`` needs for that
-layer, with a ``max_tokens`` attribute, or ``None`` when it cannot run it (a weight the linear
-kernel left to the portable path, a bias), and the model then runs the layer op by op; so it does
-for steps of the binding's ``max_tokens`` tokens or more. ``COMPOSED`` binds nothing: every layer
-runs op by op. The C++ variant is ``fd_kernels.native.FusedDecoderLayer``.
+prepared linear weights (qkv, o, gate_up, down): it returns that layer's operands, with a
+``max_tokens`` attribute, or ``None`` when it cannot run it (a weight the linear kernel left to
+the portable path, a bias), and the model then runs that layer op by op. ``join(bindings, norms)``,
+also at load, makes one binding of consecutive bound layers (the model's every layer, normally),
+which ``__call__`` runs in one call for steps of fewer than its ``max_tokens`` tokens; longer
+steps run op by op. ``COMPOSED`` binds nothing: every layer runs op by op. The C++ variant is
+``fd_kernels.native.FusedDecoderLayer``.
 """
 
 from __future__ import annotations

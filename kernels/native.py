@@ -22,7 +22,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
@@ -90,7 +90,7 @@ def paddle_libs() -> Path:
 def load_native(capabilities: Collection[str]) -> ModuleType:
     """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``, ``fd_swiglu``,
     ``fd_pack_weight``, ``fd_packed_linear``, ``fd_quant_linear``, ``fd_pack_bf16``, ``fd_bf16_linear``,
-    ``fd_decoder_layer``) built for
+    ``fd_decoder_layers``) built for
     ``capabilities``; builds on first use."""
     flags = isa_flags(capabilities)
     folder = cache_dir(flags)
@@ -235,22 +235,25 @@ class _Quantized:
 
 @dataclass(frozen=True, slots=True)
 class FusedBinding:
-    """What :meth:`FusedDecoderLayer.bind` keeps for one layer: the op's weight tensors and codes,
-    and ``max_tokens``, the step size from which the layer runs op by op instead."""
+    """What :meth:`FusedDecoderLayer.bind` keeps for one layer, or :meth:`FusedDecoderLayer.join`
+    for a run of them: the op's weight tensors and codes (per layer, in layer order), the layers'
+    RMSNorm weights (``norms``: input, post-attention, per layer; empty before ``join``), and
+    ``max_tokens``, the step size from which the layers run op by op instead."""
 
     tensors: list[Any]
     bits: list[int]
     widths: list[int]
     round_inputs: list[int]   # per linear: its input rounded to its weights' kind (bfloat16 or int8)
     max_tokens: int
+    norms: list[Any] = field(default_factory=list)
 
 
 class FusedDecoderLayer:
     """The C++ ``decoder_layer`` (``csrc/decoder_layer.cc``): RMSNorm, q/k/v, RoPE + KV write,
-    attention, o, RMSNorm, gate/up, SwiGLU and down of one layer in one op, through the same
-    kernels as the op-by-op path (same results, no per-op dispatch). Binds layers without a q/k/v
-    bias whose four weights are block-quantized or bfloat16, for steps of fewer than the binding's
-    ``max_tokens`` tokens.
+    attention, o, RMSNorm, gate/up, SwiGLU and down of a run of consecutive layers (every layer of
+    the model, normally) in one op, through the same kernels as the op-by-op path (same results, no
+    per-op or per-layer dispatch). Binds layers without a q/k/v bias whose four weights are
+    block-quantized or bfloat16, for steps of fewer than the binding's ``max_tokens`` tokens.
     Called inside this op, MKL gave results that varied in the last bits from run to run (float32
     packed weights; seen on an AMD EPYC, one thread included; op by op they are reproducible, and
     MKL's strict reproducibility mode removes it), so MKL stays out of it."""
@@ -258,7 +261,7 @@ class FusedDecoderLayer:
     name = "cpp"
 
     #: Steps of this many tokens or more run op by op: compute-bound, they gain nothing from one
-    #: dispatch per layer, and there the linears hand their matmuls to MKL (``kGemmRows`` in
+    #: dispatch per run, and there the linears hand their matmuls to MKL (``kGemmRows`` in
     #: ``csrc/quant_linear.cc`` and ``csrc/bf16_linear.cc``), which this op never calls.
     max_tokens = 128
     #: The limit for bfloat16 panels with rounded inputs in a build that multiplies bfloat16 itself
@@ -269,7 +272,7 @@ class FusedDecoderLayer:
     bf16_products_max_tokens = sys.maxsize
 
     def __init__(self, ops: ModuleType, bf16_products: bool) -> None:
-        self._op = ops.fd_decoder_layer
+        self._op = ops.fd_decoder_layers
         self._threads = _threads()
         self._bf16_products = bf16_products
 
@@ -283,16 +286,22 @@ class FusedDecoderLayer:
                             [int(prepared.round_inputs) for prepared in linears],
                             self.bf16_products_max_tokens if self._bf16_products and rounded else self.max_tokens)
 
-    def __call__(self, bound: FusedBinding, x: Any, residual: Any, input_norm: Any,
-                 post_norm: Any, k_cache: Any, v_cache: Any, attn: Any, cos: Any, sin: Any, num_heads: int,
-                 head_dim: int, eps: float, round_queries: bool = False) -> tuple[Any, Any]:
-        """``(out, residual stream)`` of the layer, its K/V written into the caches (``round_queries``:
-        see the ``attention`` kernels)."""
-        out, summed = self._op(x, x if residual is None else residual, input_norm, post_norm,
-                               attn.positions_tensor, cos, sin, k_cache, v_cache, attn.slots_tensor,
-                               attn.row_tables, attn.row_starts, attn.row_lens, bound.tensors, bound.bits,
-                               bound.widths, num_heads, head_dim, eps, residual is not None, bound.round_inputs,
-                               round_queries, self._threads)[:2]
+    def join(self, bindings: Sequence[FusedBinding], norms: Sequence[tuple[Any, Any]]) -> FusedBinding:
+        """One binding for consecutive layers (``bindings`` from :meth:`bind`; ``norms``: each
+        layer's input and post-attention RMSNorm weights), run by one call."""
+        return FusedBinding([t for b in bindings for t in b.tensors], [n for b in bindings for n in b.bits],
+                            [n for b in bindings for n in b.widths], [n for b in bindings for n in b.round_inputs],
+                            min(b.max_tokens for b in bindings), [w for pair in norms for w in pair])
+
+    def __call__(self, run: FusedBinding, x: Any, residual: Any, k_caches: Sequence[Any], v_caches: Sequence[Any],
+                 attn: Any, cos: Any, sin: Any, num_heads: int, head_dim: int, eps: float,
+                 round_queries: bool = False) -> tuple[Any, Any]:
+        """``(out, residual stream)`` after the run's layers, their K/V written into the caches
+        (``round_queries``: see the ``attention`` kernels)."""
+        out, summed = self._op(x, x if residual is None else residual, attn.positions_tensor, cos, sin,
+                               attn.slots_tensor, attn.row_tables, attn.row_starts, attn.row_lens, k_caches,
+                               v_caches, run.norms, run.tensors, run.bits, run.widths, num_heads, head_dim, eps,
+                               residual is not None, run.round_inputs, round_queries, self._threads)[:2]
         return out, summed
 
 

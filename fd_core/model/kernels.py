@@ -100,9 +100,9 @@ class KernelSet:
 
     @property
     def decoder_layer(self) -> Any:
-        """``.bind(linears, qkv_bias)`` once per layer, then ``(bound, x, residual, input_norm, post_norm,
-        k_cache, v_cache, attn, cos, sin, num_heads, head_dim, eps) -> (out, residual)``: a whole layer in
-        one call where ``bind`` did not return ``None``, for steps of fewer than its binding's
+        """``.bind(linears, qkv_bias)`` once per layer and ``.join(bindings, norms)`` once per run of
+        bound layers, then ``(run, x, residual, k_caches, v_caches, attn, cos, sin, num_heads, head_dim,
+        eps) -> (out, residual)``: the run's layers in one call, for steps of fewer than its
         ``.max_tokens`` tokens; see ``fd_kernels.decoder_layer``."""
         return self.chosen["decoder_layer"].fn
 

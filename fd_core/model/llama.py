@@ -1,7 +1,7 @@
 """The Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral) as Paddle compute over a paged KV cache.
 
 Built from a :class:`~fd_core.model.arch.LlamaArchConfig` and Hugging Face named numpy
-weights. Where the kernel set has a fused decoder layer, each layer is one kernel call;
+weights. Where the kernel set has a fused decoder layer, the layers are one kernel call;
 otherwise, to keep per-layer Python overhead low, q/k/v are one matmul (their weights
 concatenated), gate/up are one matmul feeding the ``swiglu`` kernel, residual adds are folded into the
 RMSNorm kernel, and RoPE (Hugging Face's non-interleaved ``rotate_half`` convention) and the
@@ -62,6 +62,32 @@ class _LayerWeights:
     gate_up: Any                    # [hidden, 2 * intermediate]: gate, then up columns
     down: Any                       # [intermediate, hidden]
     fused: Any                      # the fused layer kernel's operands, or None: run op by op
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRun:
+    """Layers ``[start, stop)``: bound together by the fused layer kernel (``fused``, one call for
+    steps of fewer than its ``max_tokens`` tokens), or ``fused`` None: op by op."""
+
+    start: int
+    stop: int
+    fused: Any
+
+
+def layer_runs(layers: Sequence[_LayerWeights], fused_kernel: Any) -> list[LayerRun]:
+    """The layers as maximal runs of bound (``layer.fused`` set) and unbound layers, in order."""
+    runs: list[LayerRun] = []
+    start = 0
+    for stop in range(1, len(layers) + 1):
+        if stop < len(layers) and (layers[stop].fused is None) == (layers[start].fused is None):
+            continue
+        bound = layers[start:stop]
+        fused = (fused_kernel.join([layer.fused for layer in bound],
+                                   [(layer.input_norm, layer.post_norm) for layer in bound])
+                 if bound[0].fused is not None else None)
+        runs.append(LayerRun(start, stop, fused))
+        start = stop
+    return runs
 
 
 def _rope_tables(arch: LlamaArchConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -150,6 +176,7 @@ class LlamaForCausalLM:
                 post_norm=tensor(weights[f"{p}post_attention_layernorm.weight"]), gate_up=gate_up, down=down,
                 fused=kernels.decoder_layer.bind([qkv, o, gate_up, down], qkv_bias),
             ))
+        self.runs = layer_runs(self.layers, kernels.decoder_layer)
         self.norm = tensor(weights["model.norm.weight"])
         # [vocab, hidden], applied transposed (a tied head reads the embedding).
         head = embedding if arch.tie_word_embeddings else weights["lm_head.weight"]
@@ -178,6 +205,19 @@ class LlamaForCausalLM:
         """RMSNorm of ``x + residual``; returns (normed, the new residual stream)."""
         return self.kernels.rms_norm(x, weight, self.arch.rms_norm_eps, residual)
 
+    def _layer(self, x: paddle.Tensor, residual: paddle.Tensor | None, layer: _LayerWeights, cache: LayerKVCache,
+               attn: AttentionMetadata, rope_write_kv: Any) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """One decoder layer op by op: ``(out, residual stream)``, its K/V written into ``cache``."""
+        num_tokens, heads, head_dim = x.shape[0], self.arch.num_attention_heads, self.arch.head_dim
+        linear = self.kernels.linear
+        h, residual = self._norm(x, layer.input_norm, residual)
+        qkv = linear(h, layer.qkv, layer.qkv_bias).reshape([num_tokens, -1, head_dim])
+        q = rope_write_kv(qkv, cache.key, cache.value)
+        out = self.kernels.attention(q, cache.key, cache.value, attn, round_queries=self.round_queries)
+        h, residual = self._norm(linear(out.reshape([num_tokens, heads * head_dim]), layer.o), layer.post_norm,
+                                 residual)
+        return self._mlp(h, layer), residual
+
     def forward(self, input_ids: paddle.Tensor, attn: AttentionMetadata,
                 kv_caches: Sequence[LayerKVCache]) -> paddle.Tensor:
         """Run ``input_ids [T]`` at ``attn``'s positions, writing their K/V into ``kv_caches``.
@@ -188,24 +228,21 @@ class LlamaForCausalLM:
         heads, head_dim = arch.num_attention_heads, arch.head_dim
         num_tokens = input_ids.shape[0]
         rope_write_kv = self.kernels.rope_write_kv(self.rope_cos, self.rope_sin, attn, heads)
-        attention = self.kernels.attention
         linear = self.kernels.linear
         fused_layer = self.kernels.decoder_layer
         x = F.embedding(input_ids, self.embed_tokens)
         residual = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            if layer.fused is not None and num_tokens < layer.fused.max_tokens:
-                x, residual = fused_layer(layer.fused, x, residual, layer.input_norm, layer.post_norm, cache.key,
-                                          cache.value, attn, self.rope_cos, self.rope_sin, heads, head_dim,
-                                          arch.rms_norm_eps, round_queries=self.round_queries)
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
+        for run in self.runs:
+            caches = kv_caches[run.start:run.stop]
+            if run.fused is not None and num_tokens < run.fused.max_tokens:
+                x, residual = fused_layer(run.fused, x, residual, [c.key for c in caches], [c.value for c in caches],
+                                          attn, self.rope_cos, self.rope_sin, heads, head_dim, arch.rms_norm_eps,
+                                          round_queries=self.round_queries)
                 continue
-            h, residual = self._norm(x, layer.input_norm, residual)
-            qkv = linear(h, layer.qkv, layer.qkv_bias).reshape([num_tokens, -1, head_dim])
-            q = rope_write_kv(qkv, cache.key, cache.value)
-            out = attention(q, cache.key, cache.value, attn, round_queries=self.round_queries)
-            x = linear(out.reshape([num_tokens, heads * head_dim]), layer.o)
-            h, residual = self._norm(x, layer.post_norm, residual)
-            x = self._mlp(h, layer)
+            for layer, cache in zip(self.layers[run.start:run.stop], caches):
+                x, residual = self._layer(x, residual, layer, cache, attn, rope_write_kv)
         if attn.sample_indices.shape[0] == 0:
             return paddle.zeros([0, arch.vocab_size], dtype="float32")
         # Only sampled rows need the final norm and the (large) vocabulary projection.

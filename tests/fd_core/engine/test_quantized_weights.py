@@ -15,6 +15,7 @@ from fd_core.engine.builder import build_engine
 from fd_core.engine.llm import LLM
 from fd_core.errors import ConfigError
 from fd_core.model.kernels import select_kernels
+from fd_core.model.llama import LlamaForCausalLM, layer_runs
 from fd_core.request import SamplingParams
 from fd_core.testing.tiny_model import make_tiny_llama, write_tiny_gguf
 from fd_kernels.native import FusedDecoderLayer
@@ -49,6 +50,13 @@ def _answers(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[in
     return [(o.token_ids, [t.logprob for t in o.logprobs]) for o in outputs]
 
 
+def _fuse_only(model: LlamaForCausalLM, fused_layers: tuple[int, ...]) -> None:
+    """Drop every layer's fused binding but those of ``fused_layers``: the others run op by op."""
+    model.layers = [layer if i in fused_layers else dataclasses.replace(layer, fused=None)
+                    for i, layer in enumerate(model.layers)]
+    model.runs = layer_runs(model.layers, model.kernels.decoder_layer)
+
+
 def _all_blocks_free(llm: LLM) -> bool:
     stats = llm.engine.resource_manager.stats()
     return stats.num_free_blocks == stats.num_blocks
@@ -77,8 +85,26 @@ def test_the_fused_layer_equals_the_op_by_op_layer_exactly(tiny_gguf, prompts: l
     assert all(layer.fused is not None for layer in model.layers)
     fused = _answers(llm, prompts)
     assert _answers(llm, prompts) == fused   # reproducible
-    model.layers = [dataclasses.replace(layer, fused=None) for layer in model.layers]
+    _fuse_only(model, ())
     assert _answers(llm, prompts) == fused   # the same kernels in the same order: bit-identical log-probabilities
+    assert _all_blocks_free(llm)
+
+
+# a run of fused layers after an op-by-op one starts from a residual stream; one before hands it on
+@pytest.mark.parametrize("fused_layers", [(0,), (1,)], ids=["first-fused", "second-fused"])
+def test_runs_of_fused_and_op_by_op_layers_equal_the_op_by_op_model_exactly(tiny_gguf, fused_layers) -> None:
+    _needs_cpp_kernels()
+    llm = _llm(tiny_gguf, "keep", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert [(run.start, run.stop, run.fused is not None) for run in model.runs] == [(0, 2, True)]
+    bound = model.layers
+    _fuse_only(model, ())
+    op_by_op = _answers(llm)
+    model.layers = bound
+    _fuse_only(model, fused_layers)
+    assert [(run.start, run.stop, run.fused is not None) for run in model.runs] == [(0, 1, 0 in fused_layers),
+                                                                                   (1, 2, 1 in fused_layers)]
+    assert _answers(llm) == op_by_op
     assert _all_blocks_free(llm)
 
 
@@ -104,7 +130,7 @@ def test_bfloat16_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_mod
              else FusedDecoderLayer.max_tokens)
     assert all(layer.fused.max_tokens == limit for layer in model.layers)
     fused = _answers(llm)
-    model.layers = [dataclasses.replace(layer, fused=None) for layer in model.layers]
+    _fuse_only(model, ())
     assert _answers(llm) == fused
     assert _all_blocks_free(llm)
 
@@ -117,7 +143,7 @@ def test_int8_inputs_run_fused_equal_the_op_by_op_layer_and_free_every_block(tin
     model = llm.engine.runner.model
     assert all(layer.fused.round_inputs == [1, 1, 1, 1] for layer in model.layers) and model.lm_head.round_inputs
     int8 = _answers(llm, prompts)
-    model.layers = [dataclasses.replace(layer, fused=None) for layer in model.layers]
+    _fuse_only(model, ())
     assert _answers(llm, prompts) == int8   # the same kernels in the same order: bit-identical
     float_inputs = _answers(_llm(tiny_gguf, "keep", enable_prefix_caching=False), prompts)
     assert [logprobs for _, logprobs in int8] != [logprobs for _, logprobs in float_inputs]
@@ -151,7 +177,6 @@ def test_keep_with_the_portable_kernels_names_the_key(tiny_gguf) -> None:
 def test_the_portable_kernels_run_block_quantized_weights_as_float32(tiny_gguf) -> None:
     """A model built directly (``import fd_core``) with kept blocks and no C++ kernels still runs."""
     from fd_core.model.gguf_loader import load_gguf
-    from fd_core.model.llama import LlamaForCausalLM
 
     arch, weights, _ = load_gguf(Path(tiny_gguf), keep_quantized=True)
     model = LlamaForCausalLM(arch, weights)
