@@ -382,11 +382,15 @@ inline bool amx_attention(const Shapes& s) {
   const int64_t row_pairs = d / 2;
   scratch.rounded.assign(static_cast<size_t>(ld * row_pairs), 0);
   scratch.pairs.resize(static_cast<size_t>(ld * row_pairs));
-  for (int64_t m = 0; m < mq; ++m) {
+  const __m512 scales = _mm512_set1_ps(scale);
+  for (int64_t m = 0; m < mq; ++m) {   // d % 32 == 0 (amx_attention)
     const float* src = q + vector_offset(task, s, m);
     auto* dst = reinterpret_cast<uint16_t*>(scratch.rounded.data() + m * row_pairs);
-#pragma omp simd
-    for (int64_t dim = 0; dim < d; ++dim) dst[dim] = round_to_bf16_bits(src[dim] * scale);
+    for (int64_t dim = 0; dim < d; dim += 16) {
+      alignas(64) float scaled[16];
+      _mm512_store_ps(scaled, _mm512_mul_ps(_mm512_loadu_ps(src + dim), scales));
+      round_to_bf16_bits16(scaled, dst + dim);   // (GCC split the scalar loop into 2-float pieces)
+    }
   }
   for (int64_t c = 0; c < d / 32; ++c)
     for (int64_t g = 0; g < tiles; ++g) {
