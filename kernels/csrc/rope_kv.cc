@@ -31,8 +31,12 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
 // A row of d floats into the cache's element type (bfloat16: rounded to nearest even).
 inline void store_row(const float* x, int64_t d, float* out) { std::copy_n(x, d, out); }
 inline void store_row(const float* x, int64_t d, Bf16* out) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) out[i].bits = round_to_bf16_bits(x[i]);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  // 16 at a time (GCC split the scalar loop below into 2-value pieces: a third of this op's time)
+  for (; i + 16 <= d; i += 16) round_to_bf16_bits16(x + i, reinterpret_cast<uint16_t*>(out + i));
+#endif
+  for (; i < d; ++i) out[i].bits = round_to_bf16_bits(x[i]);
 }
 
 constexpr int64_t kMinValuesPerThread = 1 << 16;   // floats of qkv that pay for a thread
