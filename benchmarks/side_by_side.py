@@ -6,7 +6,10 @@ exactly ``output_len`` new tokens per request) and runs in its own process, one 
 venv for each ``--vllm-dtypes``. Each script does one short warm-up, then ``--repeats`` timed runs;
 the table shows every timed run (the first one right after start included), the median, and the
 ratio to vLLM's best dtype on the same model and workload. Prefix caching is off for both engines
-(the timed runs repeat the same prompts, so a prefix cache would skip their prefills).
+(the timed runs repeat the same prompts, so a prefix cache would skip their prefills). Both get a KV
+pool of ``--kv-memory`` GiB (vLLM through ``VLLM_CPU_KVCACHE_SPACE``, fd-engine through
+``cache.memory`` unless its sections size the pool): with fd-engine's default 512 MiB pool, w256
+ran ~60 requests at a time against vLLM's 256.
 
 fd-engine can be run from several source trees in the same run (before/after a change)::
 
@@ -138,6 +141,9 @@ def main() -> int:
                              "cache beside the float32 one from the same tree); repeatable")
     parser.add_argument("--vllm-venv", type=Path, help="a venv with vllm-cpu installed (none: fd-engine only)")
     parser.add_argument("--vllm-dtypes", default="float32,bfloat16")
+    parser.add_argument("--kv-memory", type=int, default=4,
+                        help="GiB of KV pool for every engine (fd-engine: unless its sections size the pool; a "
+                             "tree older than cache.memory needs cache.num_blocks in its label sections)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--export-dir", type=Path, default=Path(tempfile.gettempdir()) / "fd-side-by-side-models")
     parser.add_argument("--json-out", type=Path)
@@ -159,7 +165,7 @@ def main() -> int:
                     if tree is not None:
                         env["PYTHONPATH"] = str(import_root(tree, scratch))
                     out = scratch / f"fd-{label}.json"
-                    label_sections = merged(sections, extra.get(label, {}))
+                    label_sections = with_kv_memory(merged(sections, extra.get(label, {})), args.kv_memory)
                     command = [sys.executable, str(args.bench_dir / "fd_offline.py"), "--model", model,
                                *workload_args(workload, args.repeats),
                                "--sections", json.dumps(label_sections),
@@ -171,7 +177,8 @@ def main() -> int:
                     continue
                 folder = Path(model) if Path(model).is_dir() else export_hf_folder(model, args.export_dir)
                 for dtype in args.vllm_dtypes.split(","):
-                    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+                    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_memory),
+                               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
                     if TCMALLOC.exists():
                         env["LD_PRELOAD"] = str(TCMALLOC)
                     out = scratch / f"vllm-{dtype}.json"
@@ -205,6 +212,14 @@ def merged(sections: dict, more: dict) -> dict:
     for name, values in more.items():
         out.setdefault(name, {}).update(values)
     return out
+
+
+def with_kv_memory(sections: dict, gib: int) -> dict:
+    """``sections`` with a KV pool of ``gib`` GiB, unless they size the pool themselves."""
+    cache = sections.get("cache", {})
+    if any(key in cache for key in ("num_blocks", "memory", "memory_utilization")):
+        return sections
+    return merged(sections, {"cache": {"memory": f"{gib}GiB"}})
 
 
 def attempt(result: Result, command: list[str], env: dict[str, str], out: Path, scratch: Path) -> Result:

@@ -142,7 +142,10 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
         steps = prefill_all(done + rows * prompt_len)
         rate = {"prefill_tok_s": round(rows * prompt_len / (time.perf_counter() - begin), 1)}
     else:
-        add(rows, steps + 4, "r")
+        # the prompts' prefill takes several steps, and the first rows decode during them: room for
+        # those tokens too, so that no row finishes before the timed steps are over
+        prefill_steps = -(-rows * prompt_len // 2048) + 1
+        add(rows, prefill_steps + steps + 4, "r")
         prefill_all(rows * prompt_len)
         step()                           # one untimed decode step
         timers.seconds.clear()
@@ -150,6 +153,9 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
         begin = time.perf_counter()
         for _ in range(steps):
             step()
+        running = core.stats().kv.num_running
+        if running != rows:
+            raise RuntimeError(f"{running} rows ran the timed decode steps, not {rows}")
         rate = {"decode_tok_s": round(rows * steps / (time.perf_counter() - begin), 1)}
     per_step = {name: round(1000 * s / steps, 3) for name, s in timers.seconds.items()}
     inner = sum(v for k, v in per_step.items() if k not in ("engine step", "model forward"))

