@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import paddle
 
+from fd_core.runner.huge_pages import advise_huge_pages
+
 if TYPE_CHECKING:
     from fd_core.model.arch import LlamaArchConfig
 
@@ -42,10 +44,17 @@ def kv_cache_bytes_per_block(arch: LlamaArchConfig, block_size: int, dtype: str 
 
 def allocate_kv_caches(arch: LlamaArchConfig, *, num_blocks: int, block_size: int,
                        dtype: str = "float32") -> list[LayerKVCache]:
-    """Zero-filled caches for every layer of ``arch`` on paddle's current device."""
+    """Zero-filled caches for every layer of ``arch`` on paddle's current device; in host memory,
+    backed by huge pages where Linux grants them (:mod:`fd_core.runner.huge_pages`)."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
     _check_dtype(dtype)
     shape = [num_blocks, arch.num_key_value_heads, block_size, arch.head_dim]
-    return [LayerKVCache(key=paddle.zeros(shape, dtype=dtype), value=paddle.zeros(shape, dtype=dtype))
-            for _ in range(arch.num_hidden_layers)]
+    return [LayerKVCache(key=_zeroed(shape, dtype), value=_zeroed(shape, dtype)) for _ in range(arch.num_hidden_layers)]
+
+
+def _zeroed(shape: list[int], dtype: str) -> paddle.Tensor:
+    tensor = paddle.empty(shape, dtype=dtype)
+    if tensor.place.is_cpu_place():   # advised before the zeros are first written (huge_pages)
+        advise_huge_pages(tensor.data_ptr(), tensor.numel().item() * _DTYPE_BYTES[dtype])
+    return tensor.fill_(0)
