@@ -202,6 +202,29 @@ def _blocked_stop_ids(request: Request) -> list[int]:
     return eos + list(sp.stop_token_ids)
 
 
+def _greedy_ids(logits: paddle.Tensor, blocked: list[list[int]]) -> np.ndarray:
+    """Argmax of each row of ``logits`` [B, V] over the ids not in ``blocked[row]``.
+
+    Only B ids cross to the host: on the CPU numpy's argmax over the logits' own memory (zero-copy)
+    is ~6x Paddle's ([64, 49152]: 0.6 ms against 3.9). A row whose best id is not blocked keeps
+    it (the ids before the first maximum are all smaller, masked or not); only a row whose best id
+    is blocked is masked and searched again, so a step of rows below their min_tokens does not
+    copy its logits ([256, 49152]: 50 MB, ~8 ms).
+    """
+    import paddle
+
+    if logits.dtype != paddle.float32:     # numpy has no bfloat16
+        logits = logits.astype("float32")
+    on_host = logits.place.is_cpu_place()
+    ids = np.from_dlpack(logits).argmax(axis=-1) if on_host else paddle.argmax(logits, axis=-1).numpy()
+    for row, stop_ids in enumerate(blocked):
+        if stop_ids and ids[row] in stop_ids:
+            x = (np.from_dlpack(logits)[row] if on_host else logits[row].numpy()).copy()
+            x[stop_ids] = _NEG_INF
+            ids[row] = x.argmax()
+    return ids
+
+
 class Sampler:
     """Samples one token per request from a batch of logits; holds per-request generators.
 
@@ -225,15 +248,8 @@ class Sampler:
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
         blocked = [_blocked_stop_ids(r) for r in requests]
         params = [r.sampling_params for r in requests]
-        if all(sp.greedy and sp.logprobs is None and not _has_penalty(sp) for sp in params) \
-                and not any(blocked):
-            # Fast path: only B ids cross to the host. On the CPU numpy's argmax over the logits'
-            # own memory (zero-copy) is ~6x Paddle's ([64, 49152]: 0.6 ms against 3.9).
-            if logits.place.is_cpu_place() and logits.dtype == paddle.float32:
-                ids = np.from_dlpack(logits).argmax(axis=-1)
-            else:
-                ids = paddle.argmax(logits, axis=-1).numpy()
-            return [SampledToken(int(t)) for t in ids]
+        if all(sp.greedy and sp.logprobs is None and not _has_penalty(sp) for sp in params):
+            return [SampledToken(int(t)) for t in _greedy_ids(logits, blocked)]
 
         if logits.dtype != paddle.float32:     # numpy has no bfloat16
             logits = logits.astype("float32")

@@ -198,6 +198,29 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
     assert sampler.sample(logits, [req])[0].token_id == 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_rows_below_min_tokens_skip_only_their_blocked_ids(dtype: str) -> None:
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal((8, 300)).astype(np.float32)
+    logits[0, 5] = 50.0                        # best is the eos: the best allowed id wins
+    logits[1, [7, 9]] = 50.0                   # a tie: the blocked stop id first, an allowed one after
+    logits[2, 3] = 50.0                        # best is allowed
+    logits[3, 5] = 50.0                        # min_tokens reached: the eos may win
+    requests = [_request(str(i), eos=(5,), stop_token_ids=[7], temperature=0.0, min_tokens=3) for i in range(8)]
+    requests[3].output_token_ids = [1, 1, 1]
+    tensor = paddle.to_tensor(logits).astype(dtype)
+    seen = tensor.astype("float32").numpy()
+    expected = []
+    for row, request in enumerate(requests):
+        x = seen[row].copy()
+        if row != 3:
+            x[[5, 7]] = -np.inf
+        expected.append(int(x.argmax()))
+    got = [t.token_id for t in Sampler().sample(tensor, requests)]
+    assert got == expected
+    assert got[:4] == [expected[0], 9, 3, 5] and expected[0] not in (5, 7)
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), vocab=st.integers(2, 64), top_k=st.integers(-1, 70),
        top_p=st.floats(0.01, 1.0), min_p=st.floats(0.0, 1.0),
