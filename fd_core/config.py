@@ -132,7 +132,9 @@ class CacheSection(_Section):
             "sets). Replaces the memory profile and the host default cap; more than the memory free "
             "at start-up is an error. A throughput run of many long requests needs a large pool: "
             "256 requests of 448 tokens hold ~2.5 GiB of SmolLM2-135M's bfloat16 KV."))
-    num_blocks: int | None = Field(None, gt=0, description="Explicit KV block count; overrides the profile.")
+    num_blocks: int | None = Field(None, gt=0, description=(
+        "Explicit KV block count instead of the profile. Set at most one of `num_blocks`, `memory` and "
+        "`memory_utilization`."))
     enable_prefix_caching: bool | None = Field(
         None, description="Reuse KV blocks of shared prompt prefixes. Unset: on when the resource manager "
                           "supports it (v1), off otherwise; true with one that does not (v0) is an error.")
@@ -141,7 +143,8 @@ class CacheSection(_Section):
     def _one_pool_size(self) -> CacheSection:
         given = [key for key in ("num_blocks", "memory", "memory_utilization") if getattr(self, key) is not None]
         if len(given) > 1:
-            raise ValueError(f"{' and '.join('cache.' + key for key in given)} each size the KV pool: set one")
+            raise ValueError(f"{' and '.join('cache.' + key for key in given)} each size the KV pool: set one "
+                             f"(`--cache.{given[0]} null` unsets a value from a file)")
         return self
 
 

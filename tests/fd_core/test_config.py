@@ -70,6 +70,18 @@ def test_cli_reports_key_path_and_precedence(deploy):
     assert '"port": 9100' in result.stdout and '"block_size": 48' in result.stdout
 
 
+def test_cli_takes_a_kv_pool_size_with_units(deploy):   # deploy.toml sets cache.num_blocks
+    result = run_fd_serve("--config", str(deploy), "--check", "--cache.memory", "4GiB")
+    assert result.returncode == 2
+    assert "cache.num_blocks and cache.memory each size the KV pool" in result.stderr
+    assert "`--cache.num_blocks null` unsets" in result.stderr
+    result = run_fd_serve("--config", str(deploy), "--check", "--cache.memory", "4GiB", "--cache.num_blocks", "null")
+    assert result.returncode == 0, result.stderr
+    assert '"memory": 4294967296' in result.stdout and '"num_blocks": null' in result.stdout
+    result = run_fd_serve("--config", str(deploy), "--check", "--cache.memory", "lots")
+    assert result.returncode == 2 and "cache.memory: " in result.stderr
+
+
 def test_docs_config_reference_is_up_to_date():
     from pathlib import Path
 
