@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -20,6 +21,7 @@ HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14   # <sys/mman.h> on Linux
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None

@@ -209,17 +209,16 @@ def _greedy_ids(logits: paddle.Tensor, blocked: list[list[int]]) -> np.ndarray:
     is ~6x Paddle's ([64, 49152]: 0.6 ms against 3.9). A row whose best id is not blocked keeps
     it (the ids before the first maximum are all smaller, masked or not); only a row whose best id
     is blocked is masked and searched again, so a step of rows below their min_tokens does not
-    copy its logits ([256, 49152]: 50 MB, ~8 ms).
+    copy and mask all its logits ([256, 49152] on the AMX Xeon: 29.0 -> 2.2 ms). ``logits`` are
+    float32.
     """
     import paddle
 
-    if logits.dtype != paddle.float32:     # numpy has no bfloat16
-        logits = logits.astype("float32")
-    on_host = logits.place.is_cpu_place()
-    ids = np.from_dlpack(logits).argmax(axis=-1) if on_host else paddle.argmax(logits, axis=-1).numpy()
+    host = np.from_dlpack(logits) if logits.place.is_cpu_place() else None
+    ids = host.argmax(axis=-1) if host is not None else paddle.argmax(logits, axis=-1).numpy()
     for row, stop_ids in enumerate(blocked):
         if stop_ids and ids[row] in stop_ids:
-            x = (np.from_dlpack(logits)[row] if on_host else logits[row].numpy()).copy()
+            x = (host[row] if host is not None else logits[row].numpy()).copy()
             x[stop_ids] = _NEG_INF
             ids[row] = x.argmax()
     return ids
@@ -248,11 +247,11 @@ class Sampler:
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
         blocked = [_blocked_stop_ids(r) for r in requests]
         params = [r.sampling_params for r in requests]
+        if logits.dtype != paddle.float32:     # numpy has no bfloat16
+            logits = logits.astype("float32")
         if all(sp.greedy and sp.logprobs is None and not _has_penalty(sp) for sp in params):
             return [SampledToken(int(t)) for t in _greedy_ids(logits, blocked)]
 
-        if logits.dtype != paddle.float32:     # numpy has no bfloat16
-            logits = logits.astype("float32")
         raw = np.from_dlpack(logits.cpu())     # zero-copy on CPU; read only
         x = raw.copy()
         if any(_has_penalty(sp) for sp in params):
