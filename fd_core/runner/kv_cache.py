@@ -8,12 +8,13 @@ positions of one request, so a block id from the resource manager indexes all la
 
 from __future__ import annotations
 
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import paddle
-
-from fd_core.runner.huge_pages import advise_huge_pages
 
 if TYPE_CHECKING:
     from fd_core.model.arch import LlamaArchConfig
@@ -44,17 +45,26 @@ def kv_cache_bytes_per_block(arch: LlamaArchConfig, block_size: int, dtype: str 
 
 def allocate_kv_caches(arch: LlamaArchConfig, *, num_blocks: int, block_size: int,
                        dtype: str = "float32") -> list[LayerKVCache]:
-    """Zero-filled caches for every layer of ``arch`` on paddle's current device; in host memory,
-    backed by huge pages where Linux grants them (:mod:`fd_core.runner.huge_pages`)."""
+    """Zero-filled caches for every layer of ``arch`` on paddle's current device. In host memory the
+    zeros are written at start-up by a thread per usable core: that first write faults the pool's
+    pages in, which would otherwise land on the first workload, and faults run in parallel."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
     _check_dtype(dtype)
     shape = [num_blocks, arch.num_key_value_heads, block_size, arch.head_dim]
-    return [LayerKVCache(key=_zeroed(shape, dtype), value=_zeroed(shape, dtype)) for _ in range(arch.num_hidden_layers)]
+    tensors = [paddle.empty(shape, dtype=dtype) for _ in range(2 * arch.num_hidden_layers)]
+    _zero(tensors, _DTYPE_BYTES[dtype])
+    return [LayerKVCache(key=tensors[i], value=tensors[i + 1]) for i in range(0, len(tensors), 2)]
 
 
-def _zeroed(shape: list[int], dtype: str) -> paddle.Tensor:
-    tensor = paddle.empty(shape, dtype=dtype)
-    if tensor.place.is_cpu_place():   # advised before the zeros are first written (huge_pages)
-        advise_huge_pages(tensor.data_ptr(), tensor.numel().item() * _DTYPE_BYTES[dtype])
-    return tensor.fill_(0)
+def _zero(tensors: list[paddle.Tensor], element_bytes: int) -> None:
+    host = [t for t in tensors if t.place.is_cpu_place()]
+    for tensor in tensors:
+        if not tensor.place.is_cpu_place():
+            tensor.fill_(0)
+
+    def write_zeros(tensor: paddle.Tensor) -> None:   # ctypes lets go of the GIL for the call
+        ctypes.memset(tensor.data_ptr(), 0, tensor.numel().item() * element_bytes)
+
+    with ThreadPoolExecutor(max_workers=min(len(host), len(os.sched_getaffinity(0))) or 1) as pool:
+        list(pool.map(write_zeros, host))
