@@ -102,7 +102,7 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
 
     requested, sections = sections, dict(sections)
     llm = LLM(sections.pop("model", None), platform={"name": "cpu", "options": {"kernels": kernels}},
-              engine={"max_num_seqs": rows, "max_num_batched_tokens": 2048},
+              engine={"max_num_seqs": rows, "max_num_batched_tokens": 2048, **sections.pop("engine", {})},
               cache={"num_blocks": rows * (prompt_len + steps + 64) // 16 + 64, "enable_prefix_caching": False,
                      **sections.pop("cache", {})},
               **sections)
