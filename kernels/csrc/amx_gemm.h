@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include "aligned.h"
 #include "amx.h"
@@ -215,34 +216,51 @@ constexpr int64_t kPanelMajorBytes = 1 << 20;
 // within a 48 KiB L1 data cache (Sapphire Rapids'); a block over k = 576 whole was 72 KiB.
 constexpr int64_t kPassSteps = 9;
 
+// Part g of `parts` even parts of `count` items: [part_begin(g), part_begin(g + 1)).
+inline int64_t part_begin(int64_t g, int64_t count, int64_t parts) { return g * count / parts; }
+
+// How many even parts of at most `most` items to cut `count` into, for a team of `threads` that
+// shares them out in order (schedule(static)): a multiple of the team, so that every thread gets as
+// many items (blocks of rows or of panels) to within one a part. Parts of up to `most` each, cut
+// in order, gave one of two threads twice the other's work on a 576-wide output (18 panel blocks:
+// 4 + 4 + 4 | 4 + 2) in every step of up to 256 rows.
+inline int64_t even_parts(int64_t count, int64_t most, int threads) {
+  const int64_t parts = (count + most - 1) / most;
+  return std::min(count, (parts + threads - 1) / threads * threads);
+}
+
 // A [rows, kp] (tiles of tile_rows rows) times the panels, each block's sums to the epilogue;
-// n: the product's features (a plain weight's columns).
+// n: the product's features (a plain weight's columns). Called by every thread of the team.
 template <class Epilogue>
 void multiply(const uint16_t* a, int64_t rows, int64_t kp, int tile_rows, const Panels& w, int64_t n,
               const Epilogue& epilogue) {
   const int64_t row_tiles = (rows + tile_rows - 1) / tile_rows, row_blocks = (row_tiles + 1) / 2;
-  const int64_t row_groups = (row_blocks + kRowBlocks - 1) / kRowBlocks;
-  const int64_t panel_groups = (w.blocks + kPanelBlocks - 1) / kPanelBlocks;
   const int64_t steps = kp / kKStep;
   const bool panels_outer = rows * kp * 2 <= kPanelMajorBytes;
+  const int threads = omp_get_num_threads();
+  // the outer of the two is shared out between the threads: its parts come evenly
+  const int64_t row_groups = panels_outer ? (row_blocks + kRowBlocks - 1) / kRowBlocks
+                                          : even_parts(row_blocks, kRowBlocks, threads);
+  const int64_t panel_groups = panels_outer ? even_parts(w.blocks, kPanelBlocks, threads)
+                                            : (w.blocks + kPanelBlocks - 1) / kPanelBlocks;
   thread_local AlignedVector<float> partials(kRowBlocks * kPanelBlocks * kPartialFloats);
   const int64_t outer = panels_outer ? panel_groups : row_groups, inner = panels_outer ? row_groups : panel_groups;
 #pragma omp for schedule(static) collapse(2)
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t q = 0; q < inner; ++q) {
       const int64_t rg = panels_outer ? q : o, pg = panels_outer ? o : q;
+      const int64_t pb_begin = part_begin(pg, w.blocks, panel_groups), pb_end = part_begin(pg + 1, w.blocks, panel_groups);
+      const int64_t rb_begin = part_begin(rg, row_blocks, row_groups), rb_end = part_begin(rg + 1, row_blocks, row_groups);
       // the panels of this thread's next task (pg + 1), fetched into L2 while this one computes:
       // otherwise a task's first pass over its panels waits on memory. Not in tasks of few rows
       // (a decode step): there the panels stream from memory anyway, and the prefetches only
       // compete with them (measured slower at 1 and 64 rows on the AMX Xeon)
-      const int64_t pb_end = std::min(w.blocks, (pg + 1) * kPanelBlocks);
-      const int64_t rb_end = std::min(row_blocks, (rg + 1) * kRowBlocks);
-      const bool prefetch = rb_end - rg * kRowBlocks >= kMinRowBlocksToPrefetch;
-      const int64_t next_blocks = prefetch ? std::clamp<int64_t>(w.blocks - pb_end, 0, kPanelBlocks) : 0;
+      const bool prefetch = rb_end - rb_begin >= kMinRowBlocksToPrefetch;
+      const int64_t next_blocks = prefetch && pg + 1 < panel_groups ? part_begin(pg + 2, w.blocks, panel_groups) - pb_end : 0;
       // a plain weight's next panels are one run; a gate/up weight's two (gate and up)
       const int64_t run_bytes = w.gated ? next_blocks * w.panel_stride * 2
                                         : std::min(next_blocks * 2, w.panels - pb_end * 2) * w.panel_stride * 2;
-      const int64_t blocks = (pb_end - pg * kPanelBlocks) * (rb_end - rg * kRowBlocks);
+      const int64_t blocks = (pb_end - pb_begin) * (rb_end - rb_begin);
       const int64_t ahead_block = (run_bytes / blocks + 63) / 64 * 64;   // per block, spread over its steps
       const int64_t ahead_step = run_bytes > 0 ? (ahead_block / steps + 63) / 64 * 64 : 0;
       const char* ahead = reinterpret_cast<const char*>(w.first + pb_end * w.block_stride);
@@ -250,14 +268,14 @@ void multiply(const uint16_t* a, int64_t rows, int64_t kp, int tile_rows, const 
       // k in passes of at most kPassSteps steps where a task's blocks share panels (all its blocks'
       // passes over one part of k, then the next part): a pass's panels then stay in L1 while its
       // row tiles stream from L2, where over the whole of k both came from L2 (see kPassSteps)
-      const int64_t passes = rb_end - rg * kRowBlocks > 1 ? (steps + kPassSteps - 1) / kPassSteps : 1;
+      const int64_t passes = rb_end - rb_begin > 1 ? (steps + kPassSteps - 1) / kPassSteps : 1;
       const int64_t pass_steps = (steps + passes - 1) / passes;
       const char* fetch = ahead;
       for (int64_t k0 = 0; k0 < kp; k0 += pass_steps * kKStep) {
         const int64_t k1 = std::min(kp, k0 + pass_steps * kKStep);
         float* partial = partials.data();
-        for (int64_t pb = pg * kPanelBlocks; pb < pb_end; ++pb)
-          for (int64_t rb = rg * kRowBlocks; rb < rb_end; ++rb, partial += kPartialFloats) {
+        for (int64_t pb = pb_begin; pb < pb_end; ++pb)
+          for (int64_t rb = rb_begin; rb < rb_end; ++rb, partial += kPartialFloats) {
             const int64_t r0 = rb * 2 * tile_rows;
             const BlockAt at{r0, pb,
                              {static_cast<int>(std::clamp<int64_t>(rows - r0, 0, tile_rows)),

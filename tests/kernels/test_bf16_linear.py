@@ -119,16 +119,18 @@ def test_rounded_inputs_equal_float64_over_both_rounded(linear, rows: int, k: in
 
 @pytest.mark.skipif("amx_bf16" not in CpuPlatform().capabilities, reason="the AMX tiles' blocking (no amx_bf16 here)")
 @pytest.mark.parametrize(("k", "n"), [(600, 70), (1536, 96)])   # k in 3 and 6 passes over 32-row blocks
-def test_amx_rows_get_the_same_bits_alone_or_in_a_prefill(linear, k: int, n: int) -> None:
+@pytest.mark.parametrize("rows", [100, 1000])   # the threads share the panels out; at 1000 rows, the rows
+def test_amx_rows_get_the_same_bits_alone_or_in_a_prefill(linear, k: int, n: int, rows: int) -> None:
     """On AMX a task of many rows runs k in passes (its panels then stay in L1), keeping its blocks'
     sums in memory between them; a row alone runs k in one pass. The sums run over k in one order
-    either way, so a row's result is the same bits in a batch of 1 and of 100."""
+    either way, so a row's result is the same bits in a batch of 1, of 100 and of 1000 (where the
+    threads share out the rows instead of the panels)."""
     rng = np.random.default_rng(k + n)
     dense = rng.standard_normal((k, n)).astype(np.float32)
     prepared = linear.prepare(paddle.to_tensor(dense), bfloat16=True, bfloat16_inputs=True)
-    x = rng.standard_normal((100, k)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
     batch = linear(paddle.to_tensor(x), prepared).numpy()
-    for row in (0, 77):
+    for row in (0, 77, rows - 1):
         np.testing.assert_array_equal(linear(paddle.to_tensor(x[row:row + 1]), prepared).numpy()[0], batch[row])
     rounded_x, rounded_w = (round_to_bfloat16(a).astype(np.float64) for a in (x, dense))
     assert np.all(np.abs(batch - rounded_x @ rounded_w) <= 2e-6 * (np.abs(rounded_x) @ np.abs(rounded_w) + 1))
