@@ -12,16 +12,21 @@ unless ``bfloat16_inputs=True`` rounds each input to bfloat16 too (the C++ varia
 multiplies on AMX tiles where the CPU has them). ``int8_inputs=True`` quantizes the inputs of a
 block-quantized weight to int8 blocks of 32 (``fd_kernels.quantized.quantize_int8_blocks``): the
 C++ variant multiplies the blocks in integers, the portable one the quantized values in float32.
+``prepare(..., int8=True)`` quantizes a float32 weight per output channel to int8 and each input
+per row to uint8 (``fd_kernels.quantized``): the C++ variant multiplies them by MKL's integer GEMM,
+the portable one multiplies their values in float32.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from fd_kernels.quantized import BlockQuantized, int8_block_values, round_to_bfloat16
+from fd_kernels.quantized import (BlockQuantized, int8_block_values, quantize_int8_channels, quantize_uint8_rows,
+                                  round_to_bfloat16)
 
 
 def _bfloat16_values(x: paddle.Tensor) -> paddle.Tensor:
@@ -32,6 +37,18 @@ def _int8_values(x: paddle.Tensor) -> paddle.Tensor:
     return paddle.to_tensor(int8_block_values(x.numpy()), place=x.place)
 
 
+def _uint8_row_values(x: paddle.Tensor) -> paddle.Tensor:
+    codes, scales, zeros = quantize_uint8_rows(x.numpy())
+    return paddle.to_tensor((codes.astype(np.int32) - zeros[..., None]).astype(np.float32) * scales[..., None],
+                            place=x.place)
+
+
+def _int8_channel_values(weight: np.ndarray) -> np.ndarray:
+    """``[out, in]``: the values ``s * c`` of :func:`quantize_int8_channels`' codes."""
+    codes, scales = quantize_int8_channels(weight)
+    return codes.astype(np.float32) * scales[:, None]
+
+
 class PortableLinear:
     """``F.linear`` / ``matmul(transpose_y)`` on the weight as given: every device and dtype (a
     block-quantized weight is dequantized to float32 here)."""
@@ -39,13 +56,19 @@ class PortableLinear:
     name = "portable"
 
     def prepare(self, weight: paddle.Tensor, *, transposed: bool = False, bfloat16: bool = False,
-                bfloat16_inputs: bool = False, int8_inputs: bool = False) -> Any:
+                bfloat16_inputs: bool = False, int8_inputs: bool = False, int8: bool = False) -> Any:
         """What :meth:`__call__` takes for ``weight`` (here: the weight itself; with ``bfloat16``, a
         float32 weight rounded to bfloat16 values, still stored as float32, and with
-        ``bfloat16_inputs`` each input rounded the same way before the matmul; a block-quantized
-        weight dequantized, with ``int8_inputs`` each input replaced by its int8 blocks' values)."""
+        ``bfloat16_inputs`` each input rounded the same way before the matmul; with ``int8``, a
+        float32 weight's int8 channel values, and each input replaced by its uint8 row values; a
+        block-quantized weight dequantized, with ``int8_inputs`` each input replaced by its int8
+        blocks' values)."""
         if isinstance(weight, BlockQuantized):
             return (paddle.to_tensor(weight.dequantize()), True, _int8_values if int8_inputs else None)
+        if int8 and weight.dtype == paddle.float32:
+            dense = weight.numpy()
+            values = _int8_channel_values(dense if transposed else dense.T)   # [out, in]
+            return (paddle.to_tensor(values), True, _uint8_row_values)
         if bfloat16 and weight.dtype == paddle.float32:
             return (paddle.to_tensor(round_to_bfloat16(weight.numpy())), transposed,
                     _bfloat16_values if bfloat16_inputs else None)

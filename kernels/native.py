@@ -28,13 +28,13 @@ from types import ModuleType
 from typing import Any, Final
 
 from fd_kernels.linear import PORTABLE_LINEAR
-from fd_kernels.quantized import BlockQuantized
+from fd_kernels.quantized import BlockQuantized, quantize_int8_channels
 
 log = logging.getLogger(__name__)
 
 _CSRC: Final = Path(__file__).parent / "csrc"
 SOURCES: Final = tuple(_CSRC / name for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc", "swiglu.cc",
-                                                  "packed_linear.cc", "quant_linear.cc",
+                                                  "packed_linear.cc", "quant_linear.cc", "int8_linear.cc",
                                                   "bf16_linear.cc", "bf16_mlp.cc", "decoder_layer.cc"))
 HEADERS: Final = tuple(sorted(_CSRC.glob("*.h")))
 # OpenMP: the kernels run on Intel's runtime (libiomp5, which Paddle's MKL uses): one thread pool
@@ -90,6 +90,7 @@ def paddle_libs() -> Path:
 def load_native(capabilities: Collection[str]) -> ModuleType:
     """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``, ``fd_swiglu``,
     ``fd_pack_weight``, ``fd_packed_linear``, ``fd_quant_linear``, ``fd_pack_bf16``, ``fd_bf16_linear``,
+    ``fd_pack_int8``, ``fd_int8_linear``,
     ``fd_decoder_layers``) built for
     ``capabilities``; builds on first use."""
     flags = isa_flags(capabilities)
@@ -153,7 +154,9 @@ def prepare_swiglu(capabilities: Collection[str]) -> Callable[..., Any]:
 
 class PackedLinear:
     """Float32 weights packed once into MKL's GEMM layout (``csrc/packed_linear.cc``), or rounded to
-    bfloat16 and stored in 16-bit panels with ``bfloat16=True`` (``csrc/bf16_linear.cc``);
+    bfloat16 and stored in 16-bit panels with ``bfloat16=True`` (``csrc/bf16_linear.cc``), or
+    quantized per output channel to int8 for MKL's integer GEMM with ``int8=True``
+    (``csrc/int8_linear.cc``);
     block-quantized ones kept as they are (``csrc/quant_linear.cc``): both widened inside the matmul.
     Other dtypes go through the portable linear. Same contract as ``fd_kernels.linear.PortableLinear``."""
 
@@ -165,16 +168,20 @@ class PackedLinear:
         self._threads = _threads()
 
     def prepare(self, weight: Any, *, transposed: bool = False, bfloat16: bool = False,
-                bfloat16_inputs: bool = False, int8_inputs: bool = False) -> Any:
+                bfloat16_inputs: bool = False, int8_inputs: bool = False, int8: bool = False) -> Any:
         """The packed weight (a uint8 tensor that must stay where it is) and its output width, or the
-        quantized weight's codes, scales and mins as tensors. ``bfloat16`` applies to float32 weights;
-        ``bfloat16_inputs`` (with ``bfloat16``) rounds each input as well: AMX tiles where built in;
-        ``int8_inputs`` quantizes a block-quantized weight's inputs to int8 blocks: integer dot products."""
+        quantized weight's codes, scales and mins as tensors. ``bfloat16`` and ``int8`` apply to
+        float32 weights; ``bfloat16_inputs`` (with ``bfloat16``) rounds each input as well: AMX tiles
+        where built in; ``int8_inputs`` quantizes a block-quantized weight's inputs to int8 blocks:
+        integer dot products. ``int8``: int8 codes per output channel times uint8 inputs per row
+        (``fd_kernels.quantized.int8_linear_exact`` defines the result)."""
         if isinstance(weight, BlockQuantized):
             return _Quantized(weight, int8_inputs)
         if str(weight.dtype) not in ("paddle.float32", "float32"):
             return PORTABLE_LINEAR.prepare(weight, transposed=transposed)
         width = weight.shape[0] if transposed else weight.shape[1]
+        if int8:
+            return _Int8(self._ops, weight, transposed, self._mkl)
         if bfloat16:
             return _Bf16(self._ops.fd_pack_bf16(weight, transposed), width, bfloat16_inputs)
         return _Packed(self._ops.fd_pack_weight(weight, transposed, self._mkl), width)
@@ -185,6 +192,9 @@ class PackedLinear:
         elif isinstance(prepared, _Bf16):
             out = self._ops.fd_bf16_linear(x, prepared.data, prepared.width, self._threads, self._mkl,
                                            prepared.round_inputs)
+        elif isinstance(prepared, _Int8):
+            out = self._ops.fd_int8_linear(x, prepared.data, prepared.scales, prepared.code_sums, prepared.width,
+                                           self._threads)
         elif isinstance(prepared, _Quantized):
             out = self._ops.fd_quant_linear(x, prepared.codes, prepared.scales, prepared.mins, prepared.bits,
                                             self._threads, self._mkl, prepared.round_inputs)
@@ -200,6 +210,24 @@ class _Packed:
 
     def __init__(self, data: Any, width: int) -> None:
         self.data, self.width = data, width
+
+
+class _Int8:
+    """A float32 weight as int8 codes per output channel, packed for MKL's integer GEMM, with the
+    channels' scales and code sums (what a row's zero point multiplies)."""
+
+    __slots__ = ("data", "scales", "code_sums", "width")
+
+    def __init__(self, ops: ModuleType, weight: Any, transposed: bool, mkl: str) -> None:
+        import numpy as np
+        import paddle
+
+        dense = weight.numpy()
+        codes, scales = quantize_int8_channels(dense if transposed else dense.T)
+        self.width = codes.shape[0]
+        self.data = ops.fd_pack_int8(paddle.to_tensor(codes), mkl)
+        self.scales = paddle.to_tensor(scales)
+        self.code_sums = paddle.to_tensor(codes.sum(axis=1, dtype=np.int32))
 
 
 class _Bf16:

@@ -141,3 +141,46 @@ def int8_block_values(x: np.ndarray) -> np.ndarray:
     codes, scales = quantize_int8_blocks(x)
     values = codes.reshape(*scales.shape, BLOCK).astype(np.float32) * scales[..., None]
     return values.reshape(codes.shape)
+
+
+#: Largest magnitude of a per-channel int8 weight code (``linear_weights = "int8"``): 64, not 127,
+#: so that on CPUs without VNNI the integer GEMM's pairs of u8 x s8 products (``vpmaddubsw``, which
+#: saturates at 16 bits) stay exact: 2 x 255 x 64 < 32767. Inputs get the full 8 bits.
+INT8_WEIGHT_LEVELS = 64
+
+
+def quantize_int8_channels(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A ``[out, in]`` weight as int8 codes ``[out, in]`` and float32 scales ``[out]``: per output
+    channel (row), scale ``s = max|w| / 64`` and codes ``rint(w * (1 / s))`` in [-64, 64] (0 where
+    ``s`` is 0), every step in float32."""
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    scales = np.abs(weight).max(axis=1) / np.float32(INT8_WEIGHT_LEVELS)
+    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales != 0)
+    codes = np.clip(np.rint(weight * inverse[:, None]), -INT8_WEIGHT_LEVELS, INT8_WEIGHT_LEVELS).astype(np.int8)
+    return codes, scales
+
+
+def quantize_uint8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``[..., k]`` as uint8 codes, float32 scales ``[...]`` and int32 zero points ``[...]``:
+    per row, with ``lo = min(0, min x)`` and ``hi = max(0, max x)``, scale ``s = (hi - lo) / 255``,
+    zero point ``z = rint(-lo * (1 / s))`` and codes ``clip(rint(x * (1 / s)) + z, 0, 255)``, so
+    ``x ~ s * (q - z)`` (all zero where ``s`` is 0), every step in float32, as
+    ``csrc/int8_linear.cc`` computes them (the same bits)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    lo = np.minimum(x.min(axis=-1), np.float32(0))
+    hi = np.maximum(x.max(axis=-1), np.float32(0))
+    scales = (hi - lo) / np.float32(255)
+    inverse = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales != 0)
+    zeros = np.clip(np.rint(-lo * inverse), 0, 255)
+    codes = np.clip(np.rint(x * inverse[..., None]) + zeros[..., None], 0, 255).astype(np.uint8)
+    return codes, scales, zeros.astype(np.int32)
+
+
+def int8_linear_exact(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """``x [..., in] @ W^T`` for a weight quantized by :func:`quantize_int8_channels` (``codes
+    [out, in]``, ``scales [out]``) with ``x`` quantized by :func:`quantize_uint8_rows`: the integer
+    sums exact, then ``(s_x * s_w) * float32(sum(q * c) - z * sum(c))``, as ``csrc/int8_linear.cc``."""
+    q, row_scales, zeros = quantize_uint8_rows(x)
+    sums = q.astype(np.int64) @ codes.T.astype(np.int64) - zeros[..., None].astype(np.int64) * codes.astype(
+        np.int64).sum(axis=1)
+    return (row_scales[..., None] * scales) * sums.astype(np.float32)

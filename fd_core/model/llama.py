@@ -15,7 +15,8 @@ bfloat16, which the C++ linear kernel stores in 16 bits (inputs and sums stay fl
 ``linear_inputs="bfloat16"`` the inputs are rounded too, multiplied on AMX tiles where the CPU has them).
 ``attention_inputs="bfloat16"`` rounds attention's queries (for a bfloat16 cache: AMX tiles again).
 ``linear_inputs="int8"`` quantizes the inputs of the matrices kept in blocks to int8 blocks of 32
-(the C++ kernel's integer dot products).
+(the C++ kernel's integer dot products); with ``linear_weights="int8"`` the other float32 matrices
+are int8 per output channel and their inputs uint8 per row (MKL's integer GEMM in C++).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ if TYPE_CHECKING:
 
 #: Compute dtypes the model accepts (the platform says which it runs); float32 is the tested path.
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-#: What ``linear_weights`` and ``attention_inputs`` may be: kept in float32 or rounded to bfloat16;
-#: ``linear_inputs`` may also be int8 (for block-quantized matrices).
+#: What ``attention_inputs`` may be: kept in float32 or rounded to bfloat16; ``linear_weights`` and
+#: ``linear_inputs`` may also be int8 (inputs: for block-quantized matrices or int8 weights).
 ROUNDINGS: tuple[str, ...] = ("float32", "bfloat16")
 LINEAR_INPUTS: tuple[str, ...] = (*ROUNDINGS, "int8")
 #: Rows of one MLP chunk in steps with more (see LlamaForCausalLM._mlp).
@@ -115,15 +116,18 @@ class LlamaForCausalLM:
                  attention_inputs: str = "float32") -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"model dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
-        for name, value, allowed in (("linear_weights", linear_weights, ROUNDINGS),
+        for name, value, allowed in (("linear_weights", linear_weights, LINEAR_INPUTS),
                                      ("linear_inputs", linear_inputs, LINEAR_INPUTS),
                                      ("attention_inputs", attention_inputs, ROUNDINGS)):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} is not supported; use one of {allowed}")
         if linear_inputs == "bfloat16" and linear_weights != "bfloat16":
             raise ValueError("linear_inputs 'bfloat16' needs linear_weights 'bfloat16'")
+        if linear_weights == "int8" and linear_inputs != "int8":
+            raise ValueError("linear_weights 'int8' needs linear_inputs 'int8'")
         self.round_queries = attention_inputs == "bfloat16"
-        rounding = {"bfloat16": linear_weights == "bfloat16", "bfloat16_inputs": linear_inputs == "bfloat16"}
+        rounding = {"bfloat16": linear_weights == "bfloat16", "bfloat16_inputs": linear_inputs == "bfloat16",
+                    "int8": linear_weights == "int8"}
         int8_inputs = linear_inputs == "int8"
         expected = expected_weight_shapes(arch)
         missing = [name for name in expected if name not in weights]

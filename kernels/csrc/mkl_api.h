@@ -42,4 +42,32 @@ inline const Functions& functions(const std::string& path = "") {
   return found;
 }
 
+// MKL's integer GEMM: C (int32) = A (uint8, row-major) times B (int8), B packed once. MKL's names
+// say s8u8; it reads A as the unsigned operand and B as the signed one (checked against exact sums).
+struct Int8Functions {
+  size_t (*get_size)(int, int, int, int);
+  void (*pack)(int, int, int, int, int, int, const void*, int, void*);
+  void (*compute)(int, int, int, int, int, int, int, float, const void*, int, signed char, const void*, int,
+                  signed char, float, int*, int, const int*);
+};
+
+// Fixed offset of C (CBLAS_OFFSET), for the integer GEMM.
+constexpr int kFixOffset = 173;
+
+inline const Int8Functions& int8_functions(const std::string& path = "") {
+  static const Int8Functions found = [&] {
+    Int8Functions f{};
+    void* library = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (library != nullptr) {
+      f.get_size = reinterpret_cast<decltype(f.get_size)>(dlsym(library, "cblas_gemm_s8u8s32_pack_get_size"));
+      f.pack = reinterpret_cast<decltype(f.pack)>(dlsym(library, "cblas_gemm_s8u8s32_pack"));
+      f.compute = reinterpret_cast<decltype(f.compute)>(dlsym(library, "cblas_gemm_s8u8s32_compute"));
+    }
+    return f;
+  }();
+  PD_CHECK(found.get_size && found.pack && found.compute,
+           "MKL's cblas_gemm_s8u8s32_pack/compute not found", path.empty() ? "" : " in ", path);
+  return found;
+}
+
 }  // namespace mkl_api

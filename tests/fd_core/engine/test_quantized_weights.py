@@ -155,6 +155,32 @@ def test_int8_inputs_without_kept_blocks_name_the_key(tiny_gguf) -> None:
         load_config(model={"source": tiny_gguf, "linear_inputs": "int8"})
 
 
+def test_int8_linears_run_op_by_op_answer_alike_and_free_every_block(tiny_model_dir) -> None:
+    _needs_cpp_kernels()
+    llm = _llm(tiny_model_dir, "dequantize", linear_weights="int8", linear_inputs="int8", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert all(layer.fused is None for layer in model.layers)   # the fused layer binds no int8 linears
+    assert {type(w).__name__ for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)} \
+        == {type(model.lm_head).__name__} == {"_Int8"}
+    int8 = _answers(llm)
+    assert _answers(llm) == int8   # the same integer sums every time
+    float32 = _answers(_llm(tiny_model_dir, "dequantize", enable_prefix_caching=False))
+    assert [logprobs for _, logprobs in int8] != [logprobs for _, logprobs in float32]
+    assert _all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(("model", "key", "message"), [
+    ({"linear_weights": "int8"}, "model.linear_inputs", "int8 weights are multiplied with int8 inputs"),
+    ({"linear_weights": "int8", "linear_inputs": "bfloat16"}, "model.linear_inputs", "not 'bfloat16'"),
+    ({"dtype": "bfloat16", "linear_weights": "int8", "linear_inputs": "int8"}, "model.linear_weights",
+     "'int8' rounds a float32 model's weights"),
+])
+def test_int8_weights_outside_their_pairing_name_the_key(tiny_model_dir, model: dict, key: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(model={"source": tiny_model_dir, **model})
+    assert key in str(err.value)
+
+
 def test_float32_layers_run_op_by_op(tiny_gguf) -> None:
     _needs_cpp_kernels()
     assert all(layer.fused is None for layer in _llm(tiny_gguf, "dequantize").engine.runner.model.layers)
