@@ -98,13 +98,15 @@ def instrument(llm: Any, timers: Timers) -> None:
 def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict[str, Any],
             phase: str = "decode") -> dict:
     from fd_core import LLM
+    from fd_core.config import CacheSection
     from fd_core.request import Request, SamplingParams
 
     requested, sections = sections, dict(sections)
+    block_size = sections.get("cache", {}).get("block_size", CacheSection.model_fields["block_size"].default)
     llm = LLM(sections.pop("model", None), platform={"name": "cpu", "options": {"kernels": kernels}},
               engine={"max_num_seqs": rows, "max_num_batched_tokens": 2048, **sections.pop("engine", {})},
-              cache={"num_blocks": rows * (prompt_len + steps + 64) // 16 + 64, "enable_prefix_caching": False,
-                     **sections.pop("cache", {})},
+              cache={"num_blocks": rows * -(-(prompt_len + steps + 64) // block_size) + 64,
+                     "enable_prefix_caching": False, **sections.pop("cache", {})},
               **sections)
     timers = Timers()
     instrument(llm, timers)
@@ -142,9 +144,11 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
         steps = prefill_all(done + rows * prompt_len)
         rate = {"prefill_tok_s": round(rows * prompt_len / (time.perf_counter() - begin), 1)}
     else:
-        # the prompts' prefill takes several steps, and the first rows decode during them: room for
-        # those tokens too, so that no row finishes before the timed steps are over
-        prefill_steps = -(-rows * prompt_len // 2048) + 1
+        # the prompts' prefill takes several steps, and the first rows decode during them (each
+        # taking a token of a step's budget): room for those tokens too, so that no row finishes
+        # before the timed steps are over
+        budget = core.config.engine.max_num_batched_tokens
+        prefill_steps = -(-rows * prompt_len // max(1, budget - rows)) + 1
         add(rows, prefill_steps + steps + 4, "r")
         prefill_all(rows * prompt_len)
         step()                           # one untimed decode step
