@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from fd_kernels import int8_cache
+
 #: Additive mask value for positions a query must not see.
 MASKED: float = float("-inf")
 
@@ -114,7 +116,10 @@ def _scaled(q: paddle.Tensor, scale: float) -> paddle.Tensor:
 
 def _read(cache: paddle.Tensor, index: paddle.Tensor, rows: int, dtype: paddle.dtype) -> paddle.Tensor:
     """Gather ``[rows, num_kv_heads, context, head_dim]`` from a cache via a gather index, as ``dtype``
-    (the queries' dtype: a bfloat16 cache of a float32 model is widened after the gather)."""
+    (the queries' dtype: a bfloat16 cache of a float32 model is widened after the gather, an int8
+    one before it)."""
+    if cache.dtype == paddle.int8:   # codes and row scales (int8_cache.py): widened whole first
+        cache = int8_cache.widen(cache)
     _, num_kv_heads, block_size, head_dim = cache.shape
     picked = paddle.gather(cache.reshape([-1, block_size * head_dim]), index)
     picked = picked.reshape([rows, num_kv_heads, -1, head_dim])

@@ -20,14 +20,21 @@ if TYPE_CHECKING:
     from fd_core.model.arch import LlamaArchConfig
 
 #: Bytes per element of the cache dtypes we allocate.
-_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+def _row_width(arch: LlamaArchConfig, dtype: str) -> int:
+    """Elements of a cache row: head_dim, and an int8 cache's scale (``fd_kernels.int8_cache``)."""
+    from fd_kernels.int8_cache import ROW_EXTRA
+
+    return arch.head_dim + (ROW_EXTRA if dtype == "int8" else 0)
 
 
 @dataclass(frozen=True, slots=True)
 class LayerKVCache:
     """The K and V cache tensors of one layer, updated in place by the attention kernel."""
 
-    key: paddle.Tensor    # [num_blocks, num_kv_heads, block_size, head_dim]
+    key: paddle.Tensor    # [num_blocks, num_kv_heads, block_size, head_dim] (int8: head_dim + 4, see fd_kernels.int8_cache)
     value: paddle.Tensor  # same shape and dtype as key
 
 
@@ -39,7 +46,7 @@ def _check_dtype(dtype: str) -> None:
 def kv_cache_bytes_per_block(arch: LlamaArchConfig, block_size: int, dtype: str = "float32") -> int:
     """Bytes one block takes across all layers, K and V: what the platform divides free memory by."""
     _check_dtype(dtype)
-    per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
+    per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * _row_width(arch, dtype)
     return per_token * block_size * _DTYPE_BYTES[dtype]
 
 
@@ -51,7 +58,7 @@ def allocate_kv_caches(arch: LlamaArchConfig, *, num_blocks: int, block_size: in
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
     _check_dtype(dtype)
-    shape = [num_blocks, arch.num_key_value_heads, block_size, arch.head_dim]
+    shape = [num_blocks, arch.num_key_value_heads, block_size, _row_width(arch, dtype)]
     tensors = [paddle.empty(shape, dtype=dtype) for _ in range(2 * arch.num_hidden_layers)]
     _zero(tensors, _DTYPE_BYTES[dtype])
     return [LayerKVCache(key=tensors[i], value=tensors[i + 1]) for i in range(0, len(tensors), 2)]

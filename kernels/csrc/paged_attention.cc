@@ -1,7 +1,8 @@
 // Paged attention of a whole step, reading K/V blocks in place (no gather copy).
 //
 // q            float32 [T, H, D]            the step's queries, row after row (contiguous)
-// k/v cache    float32 or bfloat16 [N, Hkv, bs, D]   (the layout of fd_kernels/paged_attention.py)
+// k/v cache    float32 or bfloat16 [N, Hkv, bs, D], or int8 [N, Hkv, bs, D + 4]   (the layout of
+//                                            fd_kernels/paged_attention.py; int8: kv_types.h)
 // block_tables int64   [R, W]               row r's blocks, in order
 // starts       int64   [R]                  position of row r's first new token
 // query_lens   int64   [R]                  row r's new tokens (1 for a decode row)
@@ -15,7 +16,9 @@
 // exp and sum), and the weighted sum of the values (each value vector read once per block and
 // query from L1). With AVX2 + FMA declared the micro-kernels use intrinsics; otherwise loops
 // written for the compiler's vectoriser. The ISA flags come from the capabilities the platform
-// declared. A bfloat16 cache is widened to float32 as it is read (kv_types.h): math stays fp32.
+// declared. A bfloat16 or int8 cache is widened to float32 as it is read (kv_types.h): math stays
+// fp32; an int8 block's scores are scaled by its keys' scales, and its softmax weights by its
+// values' scales before the weighted sum.
 // round_queries: the (scaled) queries are rounded to bfloat16 first; with a bfloat16 cache on a CPU
 // with AMX (built with -mamx-bf16, tiles granted) the scores are then AMX tile products (see
 // attend_tile_amx), and a prefill task's weighted sum of the values too (its softmax weights rounded
@@ -208,6 +211,15 @@ inline void prefetch_block(const T* block, int64_t elements) {
 #else
   (void)block, (void)elements;
 #endif
+}
+
+// scores[m * stride + j] *= scales[j] for m < mq, j < n: an int8 block's row scales applied.
+inline void scale_keys(float* scores, int64_t mq, int64_t stride, const float* scales, int64_t n) {
+  for (int64_t m = 0; m < mq; ++m) {
+    float* row = scores + m * stride;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] *= scales[j];
+  }
 }
 
 // Per-thread buffers of a task, reused across tasks.
@@ -522,14 +534,15 @@ template <typename T>
       for (int64_t c = 0; c < d; ++c) queries[m * d + c] = to_float(Bf16{round_to_bf16_bits(queries[m * d + c])});
     }
   }
-  auto block_of = [&](const T* cache, int64_t b) {
-    return cache + (table[b] * s.kv_heads + task.kv_head) * bs * d;
-  };
+  const int64_t region = bs * (d + kRowExtra<T>);   // a block and head's elements
+  auto block_of = [&](const T* cache, int64_t b) { return cache + (table[b] * s.kv_heads + task.kv_head) * region; };
   const int64_t first_block = begin / bs, blocks = (end + bs - 1) / bs;   // begin is a block's first key
   for (int64_t b = first_block; b < blocks; ++b) {
-    if (b + 1 < blocks) prefetch_block(block_of(k_cache, b + 1), bs * d);
-    else prefetch_block(block_of(v_cache, first_block), bs * d);
-    block_scores(queries, mq, block_of(k_cache, b), std::min(bs, end - b * bs), d, scores + b * bs - begin, keys);
+    if (b + 1 < blocks) prefetch_block(block_of(k_cache, b + 1), region);
+    else prefetch_block(block_of(v_cache, first_block), region);
+    const int64_t n = std::min(bs, end - b * bs);
+    block_scores(queries, mq, block_of(k_cache, b), n, d, scores + b * bs - begin, keys);
+    if constexpr (kScaledRows<T>) scale_keys(scores + b * bs - begin, mq, keys, row_scales(block_of(k_cache, b), bs, d), n);
   }
   for (int64_t m = 0; m < mq; ++m) {
     const int64_t seen = std::min(task.first_pos + m / group + 1, end) - begin;
@@ -555,8 +568,9 @@ template <typename T>
   }
   for (int64_t b = first_block; b < blocks; ++b) {
     const T* values = block_of(v_cache, b);
-    if (b + 1 < blocks) prefetch_block(block_of(v_cache, b + 1), bs * d);
+    if (b + 1 < blocks) prefetch_block(block_of(v_cache, b + 1), region);
     const int64_t n = std::min(bs, end - b * bs);
+    if constexpr (kScaledRows<T>) scale_keys(scores + b * bs - begin, mq, keys, row_scales(values, bs, d), n);
     for (int64_t query = 0; query < task.count; ++query) {   // its `group` heads see the same keys
       const int64_t seen = std::min(n, task.first_pos + query + 1 - b * bs);
       if (seen <= 0) continue;
@@ -659,9 +673,8 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
                                            const paddle::Tensor& starts, const paddle::Tensor& query_lens, float scale,
                                            bool round_queries, int num_threads) {
   const auto cache_dtype = k_cache.dtype();
-  PD_CHECK(q.dtype() == paddle::DataType::FLOAT32 && v_cache.dtype() == cache_dtype &&
-               (cache_dtype == paddle::DataType::FLOAT32 || cache_dtype == paddle::DataType::BFLOAT16),
-           "fd_paged_attention: float32 q, float32 or bfloat16 caches of one dtype");
+  PD_CHECK(q.dtype() == paddle::DataType::FLOAT32 && v_cache.dtype() == cache_dtype && is_cache_dtype(cache_dtype),
+           "fd_paged_attention: float32 q, float32, bfloat16 or int8 caches of one dtype");
   PD_CHECK(block_tables.dtype() == paddle::DataType::INT64 && starts.dtype() == paddle::DataType::INT64 &&
                query_lens.dtype() == paddle::DataType::INT64,
            "fd_paged_attention: int64 block tables, starts and query lengths");
@@ -669,13 +682,14 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const auto cs = k_cache.shape();
   const int64_t rows = block_tables.shape()[0];
   const Shapes s{qs[1], cs[1], qs[2], cs[2], block_tables.shape()[1]};
-  PD_CHECK(cs[3] == s.head_dim && s.heads % s.kv_heads == 0, "fd_paged_attention: shape mismatch");
+  PD_CHECK(cs[3] == s.head_dim + row_extra(cache_dtype) && s.heads % s.kv_heads == 0,
+           "fd_paged_attention: shape mismatch");
   const int64_t* tables = block_tables.data<int64_t>();
   const int64_t* start = starts.data<int64_t>();
   const int64_t* lens = query_lens.data<int64_t>();
 
-  const bool bf16_cache = cache_dtype == paddle::DataType::BFLOAT16;
-  const bool amx = bf16_cache ? amx_tasks<Bf16>(s, round_queries) : amx_tasks<float>(s, round_queries);
+  bool amx = false;
+  with_cache_type(cache_dtype, [&](auto element) { amx = amx_tasks<decltype(element)>(s, round_queries); });
   bool decode = true;
   for (int64_t r = 0; r < rows; ++r) decode = decode && lens[r] == 1;
   const bool split = decode && rows < kSplitRows && !amx;
@@ -718,12 +732,11 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   // prefill step's tasks grow along the row, and go out one by one (evener ends), as split parts do
   const int64_t chunk = decode && parts == 0 ? s.kv_heads : 1;
   Partials partials{group, s.head_dim, std::vector<float>(static_cast<size_t>(parts * group * (s.head_dim + 2)))};
-  if (bf16_cache)
-    run_tasks(tasks, qp, cache_data<Bf16>(k_cache), cache_data<Bf16>(v_cache), tables, s, scale, round_queries, op,
-              threads, chunk, partials);
-  else
-    run_tasks(tasks, qp, cache_data<float>(k_cache), cache_data<float>(v_cache), tables, s, scale, round_queries, op,
-              threads, chunk, partials);
+  with_cache_type(cache_dtype, [&](auto element) {
+    using T = decltype(element);
+    run_tasks(tasks, qp, cache_data<T>(k_cache), cache_data<T>(v_cache), tables, s, scale, round_queries, op, threads,
+              chunk, partials);
+  });
   for (int64_t t = 0; t < num_tasks;) {   // a split row's parts are consecutive tasks
     int64_t n = 1;
     if (tasks[t].part >= 0)

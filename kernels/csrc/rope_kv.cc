@@ -3,8 +3,9 @@
 // qkv          float32 [T, H + 2 * Hkv, D]  the projection: q heads, then k heads, then v heads
 // positions    int64   [T]
 // cos, sin     float32 [P, D]               sin with its first half negated (fd_core/model/llama.py)
-// k/v cache    float32 or bfloat16 [N, Hkv, bs, D]   written in place at each token's slot (bfloat16:
-//                                            rounded to nearest even)
+// k/v cache    float32 or bfloat16 [N, Hkv, bs, D], or int8 [N, Hkv, bs, D + 4]   written in place
+//                                            at each token's slot (bfloat16: rounded to nearest even;
+//                                            int8: codes and a scale per row, see kv_types.h)
 // slots        int64   [T]                  block * bs + offset of each token
 // returns q    float32 [T, H, D]            rotated (contiguous, the attention kernel's input)
 //
@@ -12,6 +13,7 @@
 // rotate_half convention.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -37,6 +39,23 @@ inline void store_row(const float* x, int64_t d, Bf16* out) {
   for (; i + 16 <= d; i += 16) round_to_bf16_bits16(x + i, reinterpret_cast<uint16_t*>(out + i));
 #endif
   for (; i < d; ++i) out[i].bits = round_to_bf16_bits(x[i]);
+}
+
+// Row `offset` of the block and head starting at `region`, written from d floats.
+template <typename T>
+inline void write_row(const float* x, int64_t d, int64_t block_size, int64_t offset, T* region) {
+  store_row(x, d, region + offset * d);
+}
+// int8: codes rint(x / s) with s = max |x| / 127 (an all-zero row: s = 0, codes 0), s after the codes.
+template <>
+inline void write_row<Int8Code>(const float* x, int64_t d, int64_t block_size, int64_t offset, Int8Code* region) {
+  float top = 0.f;
+  for (int64_t i = 0; i < d; ++i) top = std::max(top, std::fabs(x[i]));
+  const float scale = top / 127.f;
+  Int8Code* codes = region + offset * d;
+  for (int64_t i = 0; i < d; ++i)
+    codes[i].bits = static_cast<int8_t>(scale > 0.f ? std::nearbyint(x[i] / scale) : 0.f);
+  const_cast<float*>(row_scales(region, block_size, d))[offset] = scale;
 }
 
 constexpr int64_t kMinValuesPerThread = 1 << 16;   // floats of qkv that pay for a thread
@@ -66,10 +85,10 @@ void rope_write(const float* in, const int64_t* pos, const int64_t* slot, const 
       for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * d, c, s, d, qp + (t * num_heads + h) * d);
       const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t at = (block * kv_heads + h) * block_size + offset;
+        const int64_t region = (block * kv_heads + h) * block_size * (d + kRowExtra<T>);
         rotate(row + (num_heads + h) * d, c, s, d, rotated.data());
-        store_row(rotated.data(), d, kp + at * d);
-        store_row(row + (num_heads + kv_heads + h) * d, d, vp + at * d);
+        write_row(rotated.data(), d, block_size, offset, kp + region);
+        write_row(row + (num_heads + kv_heads + h) * d, d, block_size, offset, vp + region);
       }
     }
   }
@@ -83,16 +102,15 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
                                         const paddle::Tensor& slots, int num_heads, int num_threads) {
   const auto cache_dtype = k_cache.dtype();
   PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32 && cos.dtype() == paddle::DataType::FLOAT32 &&
-               v_cache.dtype() == cache_dtype &&
-               (cache_dtype == paddle::DataType::FLOAT32 || cache_dtype == paddle::DataType::BFLOAT16),
-           "fd_rope_write_kv: float32 qkv and tables, float32 or bfloat16 caches of one dtype");
+               v_cache.dtype() == cache_dtype && is_cache_dtype(cache_dtype),
+           "fd_rope_write_kv: float32 qkv and tables, float32, bfloat16 or int8 caches of one dtype");
   PD_CHECK(positions.dtype() == paddle::DataType::INT64 && slots.dtype() == paddle::DataType::INT64,
            "fd_rope_write_kv: int64 positions and slots");
   const auto shape = qkv.shape();
   const auto cs = k_cache.shape();
   const int64_t tokens = shape[0], d = shape[2], kv_heads = cs[1], block_size = cs[2];
   const int64_t max_pos = cos.shape()[0];
-  PD_CHECK(shape[1] == num_heads + 2 * kv_heads && cs[3] == d && cos.shape()[1] == d,
+  PD_CHECK(shape[1] == num_heads + 2 * kv_heads && cs[3] == d + row_extra(cache_dtype) && cos.shape()[1] == d,
            "fd_rope_write_kv: shape mismatch");
   auto q = paddle::empty({tokens, num_heads, d}, qkv.dtype(), qkv.place());
   const float* in = qkv.data<float>();
@@ -102,12 +120,11 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
   const float* sp = sin.data<float>();
   float* qp = q.data<float>();
   const int64_t cache_rows = cs[0] * kv_heads * block_size;
-  if (cache_dtype == paddle::DataType::BFLOAT16)
-    rope_write(in, pos, slot, cp, sp, qp, mutable_cache_data<Bf16>(k_cache), mutable_cache_data<Bf16>(v_cache), tokens,
+  with_cache_type(cache_dtype, [&](auto element) {
+    using T = decltype(element);
+    rope_write(in, pos, slot, cp, sp, qp, mutable_cache_data<T>(k_cache), mutable_cache_data<T>(v_cache), tokens,
                shape[1], num_heads, kv_heads, d, block_size, max_pos, cache_rows, num_threads);
-  else
-    rope_write(in, pos, slot, cp, sp, qp, mutable_cache_data<float>(k_cache), mutable_cache_data<float>(v_cache),
-               tokens, shape[1], num_heads, kv_heads, d, block_size, max_pos, cache_rows, num_threads);
+  });
   return {q};
 }
 

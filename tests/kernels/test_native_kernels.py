@@ -15,7 +15,7 @@ from fd_core.model.kernels import select_kernels
 from fd_core.outputs import ScheduledRequest
 from fd_core.request import Request
 from fd_core.runner.attention_metadata import build_attention_metadata, order_rows
-from fd_kernels import native
+from fd_kernels import int8_cache, native
 from fd_kernels import paged_attention as pa
 from fd_kernels import rms_norm
 from fd_plugins.platforms.cpu import CpuPlatform
@@ -55,6 +55,12 @@ def _random(rng: np.random.Generator, *shape: int) -> paddle.Tensor:
     return paddle.to_tensor(rng.standard_normal(shape).astype(np.float32))
 
 
+def _cache(rng: np.random.Generator, dtype: str, *shape: int) -> paddle.Tensor:
+    """A random KV cache of ``shape`` ``[N, Hkv, bs, D]`` stored as ``dtype`` (int8: codes and row scales)."""
+    values = rng.standard_normal(shape).astype(np.float32)
+    return paddle.to_tensor(int8_cache.quantize(values)) if dtype == "int8" else paddle.to_tensor(values).astype(dtype)
+
+
 def _rows(rng: np.random.Generator, block_size: int, case: str) -> list[tuple[int, int]]:
     if case == "decode":
         return [(int(s), 1) for s in rng.integers(0, 4 * block_size, size=37)]
@@ -70,19 +76,20 @@ def _rows(rng: np.random.Generator, block_size: int, case: str) -> list[tuple[in
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 2, 32), (32, 4, 128)])
 @pytest.mark.parametrize("case", ["decode", "few-decode", "prefill", "ragged"])
 @pytest.mark.parametrize(("cache_dtype", "round_queries"), [("float32", False), ("bfloat16", False),
-                                                            ("bfloat16", True)])
+                                                            ("bfloat16", True), ("int8", False)])
 def test_cpp_attention_matches_the_reference(cpp, block_size: int, heads: int, kv_heads: int, head_dim: int,
                                              case: str, cache_dtype: str, round_queries: bool) -> None:
-    """A bfloat16 cache: both read the same stored values, widened to float32 (the reference after
-    its gather), so the float32 tolerance holds. Rounded queries: both multiply the same rounded
+    """A bfloat16 or int8 cache: both read the same stored values, widened to float32 (the reference
+    by ``int8_cache.widen``; the C++ kernel applies an int8 row's scale to its scores and softmax
+    weights instead), so the float32 tolerance holds. Rounded queries: both multiply the same rounded
     values (the C++ kernel on AMX tiles where built in, for head sizes of whole tiles), summed in
     another order; where the kernel has AMX, a prefill chunk's softmax weights are rounded to
     bfloat16 for the values' tiles as well: each weight moves by at most 2^-8 of itself, so the
     output by at most 2^-8 of the largest value, and on average far less."""
     rng = np.random.default_rng(block_size * 1000 + heads * 10 + len(case))
     attn = _step(rng, _rows(rng, block_size, case), block_size, heads, kv_heads)
-    k_cache = _random(rng, NUM_BLOCKS, kv_heads, block_size, head_dim).astype(cache_dtype)
-    v_cache = _random(rng, NUM_BLOCKS, kv_heads, block_size, head_dim).astype(cache_dtype)
+    k_cache = _cache(rng, cache_dtype, NUM_BLOCKS, kv_heads, block_size, head_dim)
+    v_cache = _cache(rng, cache_dtype, NUM_BLOCKS, kv_heads, block_size, head_dim)
     q = _random(rng, attn.num_tokens, heads, head_dim) * (1 / np.sqrt(head_dim))
     want = pa.attention_reference(q, k_cache, v_cache, attn, round_queries=round_queries).numpy()
     got = cpp["attention"](q, k_cache, v_cache, attn, round_queries=round_queries).numpy()
@@ -94,13 +101,13 @@ def test_cpp_attention_matches_the_reference(cpp, block_size: int, heads: int, k
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
 def test_split_decode_rows_give_the_same_bits_on_any_thread_count(cpp, cache_dtype: str) -> None:
     """One decode row of 700 keys: split into parts of 128 keys whatever the thread count."""
     ops = native.load_native(CpuPlatform().capabilities)
     rng = np.random.default_rng(3)
     attn = _step(rng, [(700, 1)], 16, 9, 3)
-    k_cache, v_cache = (_random(rng, NUM_BLOCKS, 3, 16, 64).astype(cache_dtype) for _ in range(2))
+    k_cache, v_cache = (_cache(rng, cache_dtype, NUM_BLOCKS, 3, 16, 64) for _ in range(2))
     q = _random(rng, 1, 9, 64) * (1 / np.sqrt(64))
     one, two, three = (ops.fd_paged_attention(q, k_cache, v_cache, attn.row_tables, attn.row_starts, attn.row_lens,
                                               1.0, False, threads)[0].numpy() for threads in (1, 2, 3))
@@ -255,3 +262,27 @@ def test_isa_flags_follow_the_declared_features_only() -> None:
     assert "-mavx512bf16" not in native.isa_flags(bf16 | {"bf16_dot_products", "amx_bf16"})
     assert native.cache_dir(("-mavx2", "-mfma")) != native.cache_dir(())
 
+
+
+def test_cpp_kv_write_into_an_int8_cache_stores_codes_and_row_scales(cpp) -> None:
+    """Each row the float32 cache gets is stored as ``int8_cache.quantize`` defines it, bit for bit
+    (codes and scales; untouched rows stay zero), rows of very different sizes among them; q is
+    unaffected, and the stored values are within half a step of the float32 ones."""
+    rng = np.random.default_rng(6)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    attn = _step(rng, _rows(rng, block_size, "ragged"), block_size, heads, kv_heads)
+    qkv = paddle.to_tensor((rng.standard_normal((attn.num_tokens, heads + 2 * kv_heads, head_dim))
+                            * 10.0 ** rng.uniform(-3, 2, (attn.num_tokens, heads + 2 * kv_heads, 1))).astype(np.float32))
+    cos, sin = _random(rng, 512, head_dim), _random(rng, 512, head_dim)
+    shape = [NUM_BLOCKS, kv_heads, block_size, head_dim]
+    wide = [paddle.zeros(shape), paddle.zeros(shape)]
+    narrow = [paddle.zeros([*shape[:3], head_dim + int8_cache.ROW_EXTRA], dtype="int8") for _ in range(2)]
+    q_wide = cpp["rope_write_kv"](cos, sin, attn, heads)(qkv, *wide)
+    q_narrow = cpp["rope_write_kv"](cos, sin, attn, heads)(qkv, *narrow)
+    np.testing.assert_array_equal(q_narrow.numpy(), q_wide.numpy())
+    for float_cache, codes in zip(wide, narrow, strict=True):
+        np.testing.assert_array_equal(codes.numpy(), int8_cache.quantize(float_cache.numpy()))
+        values, stored = float_cache.numpy(), int8_cache.widen(codes).numpy()
+        step = np.abs(values).max(axis=-1, keepdims=True) / 127
+        assert (np.abs(stored - values) <= 0.5 * step * (1 + 1e-5)).all()
+        assert (values != 0).any()
