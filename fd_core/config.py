@@ -85,10 +85,11 @@ class ModelSection(_Section):
             "\"int8\"`: `int8` quantizes each input row to uint8 for the integer GEMM (required there)."))
     attention_inputs: Literal["float32", "bfloat16"] = Field(
         "float32", description=(
-            "With `cache.dtype = \"bfloat16\"`: `bfloat16` rounds attention's queries to bfloat16 as well, so "
-            "the query-key products multiply bfloat16 pairs (sums and softmax stay float32): on AMX tiles where "
-            "the CPU declares `amx_bf16`, elsewhere the same rounded values multiplied in float32. On AMX, a "
-            "prefill chunk's softmax weights are rounded too, for the weighted sum of the values on tiles."))
+            "With `cache.dtype = \"bfloat16\"` or `\"int8\"`: `bfloat16` rounds attention's queries to bfloat16 "
+            "as well, so the query-key products multiply bfloat16 pairs (sums and softmax stay float32): on AMX "
+            "tiles where the CPU declares `amx_bf16` (an int8 cache: prefill chunks, their codes widened to "
+            "bfloat16), elsewhere the same rounded values multiplied in float32. On AMX, a prefill chunk's "
+            "softmax weights are rounded too, for the weighted sum of the values on tiles."))
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt + output; defaults to min(model limit, 2048).")
     seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")

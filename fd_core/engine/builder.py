@@ -156,13 +156,14 @@ def _check_kv_cache_dtype(config: FdConfig, kernels: KernelSet) -> None:
 
 
 def _check_attention_inputs(config: FdConfig) -> None:
-    """bfloat16 queries are multiplied with a bfloat16 cache."""
+    """bfloat16 queries are multiplied with a bfloat16 (or int8, widened to bfloat16) cache."""
     from fd_core.config import kv_cache_dtype
 
     stored = kv_cache_dtype(config)
-    if config.model.attention_inputs == "bfloat16" and stored != "bfloat16":
-        raise ConfigError("model.attention_inputs", f"'bfloat16' queries are multiplied with a bfloat16 cache; "
-                                                    f"the cache stores {stored!r}: set cache.dtype = \"bfloat16\" too")
+    if config.model.attention_inputs == "bfloat16" and stored not in ("bfloat16", "int8"):
+        raise ConfigError("model.attention_inputs", f"'bfloat16' queries are multiplied with a bfloat16 or int8 "
+                                                    f"cache; the cache stores {stored!r}: set cache.dtype = "
+                                                    f"\"bfloat16\" too")
 
 
 def _check_quantized_weights(config: FdConfig, kernels: KernelSet) -> None:

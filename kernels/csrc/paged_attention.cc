@@ -20,7 +20,8 @@
 // fp32; an int8 block's scores are scaled by its keys' scales, and its softmax weights by its
 // values' scales before the weighted sum.
 // round_queries: the (scaled) queries are rounded to bfloat16 first; with a bfloat16 cache on a CPU
-// with AMX (built with -mamx-bf16, tiles granted) the scores are then AMX tile products (see
+// with AMX (built with -mamx-bf16, tiles granted; an int8 cache: its prefill tasks, their codes
+// widened to bfloat16 block by block) the scores are then AMX tile products (see
 // attend_tile_amx), and a prefill task's weighted sum of the values too (its softmax weights rounded
 // to bfloat16: amx_values); elsewhere the rounded queries take the float32 path: the same products,
 // summed in another order, softmax and the weighted sum of the values in float32.
@@ -228,6 +229,7 @@ struct Scratch {
   std::vector<int32_t> last_key;
   AlignedVector<uint32_t> rounded, pairs, weight_tiles, value_tiles;
   std::vector<const Bf16*> value_rows;   // the AMX values pass: where each key's value row lies
+  AlignedVector<Bf16> widened;            // an int8 cache's codes as bfloat16, for the AMX path
 };
 
 // Query vector m of a task (query m / group, head m % group): its offset in q and out.
@@ -283,7 +285,8 @@ void amx_key_scores(const Bf16* keys, int64_t d, const uint32_t* pairs, int64_t 
 constexpr int kVectorsPerPass = 6;   // 24 accumulators, 4 value vectors and a weight: 29 registers
 
 // accumulate_values_grouped over `count` (<= kVectorsPerPass) columns of key-major weights (ld apart).
-void accumulate_vectors(const float* p, int64_t ld, const Bf16* v, int64_t n, int64_t d, int64_t count, float* out) {
+template <typename T>
+void accumulate_vectors(const float* p, int64_t ld, const T* v, int64_t n, int64_t d, int64_t count, float* out) {
   switch (count) {
     case 1: return accumulate_values_grouped<1, true>(p, ld, v, n, d, out);
     case 2: return accumulate_values_grouped<2, true>(p, ld, v, n, d, out);
@@ -412,7 +415,26 @@ inline bool amx_attention(const Shapes& s) {
   return s.head_dim % 32 == 0 && s.head_dim <= 128 && s.block_size % kKeyTile == 0 && amx_granted();
 }
 
-[[gnu::noinline]] void attend_tile_amx(const float* q, const Bf16* k_cache, const Bf16* v_cache, const int64_t* table,
+// Rows of a block as bfloat16 for the tiles: a bfloat16 cache's in place; an int8 cache's codes
+// widened into `to` (exactly: codes have at most 8 significant bits), their scales applied by the caller.
+inline const Bf16* bf16_rows(const Bf16* rows, int64_t, int64_t, Bf16*) { return rows; }
+inline const Bf16* bf16_rows(const Int8Code* rows, int64_t n, int64_t d, Bf16* to) {
+  for (int64_t i = 0; i < n * d; i += 16) {   // d % 32 == 0 (amx_attention)
+    const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(wide), 16)));
+  }
+  return to;
+}
+
+// Rows [first, first + n) of key-major S^T (ld apart) times their keys' scales: an int8 block's.
+inline void scale_key_rows(float* s, int64_t ld, int64_t n, const float* scales) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t m = 0; m < ld; m += 16)
+      _mm512_storeu_ps(s + j * ld + m, _mm512_mul_ps(_mm512_loadu_ps(s + j * ld + m), _mm512_set1_ps(scales[j])));
+}
+
+template <typename T>
+[[gnu::noinline]] void attend_tile_amx(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
                                        const Task& task, const Shapes& s, float scale, float* out, Scratch& scratch) {
   const int64_t group = s.heads / s.kv_heads, d = s.head_dim, bs = s.block_size;
   const int64_t mq = task.count * group, tiles = (mq + 15) / 16, ld = tiles * 16;
@@ -442,11 +464,16 @@ inline bool amx_attention(const Shapes& s) {
     }
   scratch.scores.resize(static_cast<size_t>(padded_keys * ld));
   float* scores = scratch.scores.data();
-  auto block_of = [&](const Bf16* cache, int64_t b) { return cache + (table[b] * s.kv_heads + task.kv_head) * bs * d; };
+  auto block_of = [&](const T* cache, int64_t b) {
+    return cache + (table[b] * s.kv_heads + task.kv_head) * bs * (d + kRowExtra<T>);
+  };
   const int64_t blocks = (keys + bs - 1) / bs;
+  if constexpr (kScaledRows<T>) scratch.widened.resize(static_cast<size_t>(std::max(bs, blocks * bs) * d));
   for (int64_t b = 0; b < blocks; ++b) {
-    const Bf16* block = block_of(k_cache, b);
-    for (int64_t key = b * bs; key < std::min(keys, (b + 1) * bs); key += kKeyTile) {
+    const int64_t n = std::min(bs, keys - b * bs);
+    const Bf16* block = bf16_rows(block_of(k_cache, b), (n + kKeyTile - 1) / kKeyTile * kKeyTile, d,
+                                  scratch.widened.data());
+    for (int64_t key = b * bs; key < b * bs + n; key += kKeyTile) {
       const Bf16* rows = block + (key - b * bs) * d;
       float* at = scores + key * ld;
       int64_t g = 0;
@@ -454,6 +481,7 @@ inline bool amx_attention(const Shapes& s) {
       if (tiles - g == 2) amx_key_scores<2>(rows, d, scratch.pairs.data(), tiles, g, at, ld);
       if (tiles - g == 1) amx_key_scores<1>(rows, d, scratch.pairs.data(), tiles, g, at, ld);
     }
+    if constexpr (kScaledRows<T>) scale_key_rows(scores + b * bs * ld, ld, n, row_scales(block_of(k_cache, b), bs, d));
   }
   // softmax down each column over the keys its query sees: all of the first first_pos + 1, then up
   // to its own position (columns past mq see every key: unused); 16 columns at a time, their
@@ -481,15 +509,22 @@ inline bool amx_attention(const Shapes& s) {
     }
     _mm512_storeu_ps(total + g * 16, sum);
   }
+  if constexpr (kScaledRows<T>)   // the softmax numerators times their values' scales (total: unscaled)
+    for (int64_t b = 0; b < blocks; ++b)
+      scale_key_rows(scores + b * bs * ld, ld, std::min(bs, keys - b * bs), row_scales(block_of(v_cache, b), bs, d));
   if (tiles > 1) {
     scratch.value_rows.resize(static_cast<size_t>(keys));
-    for (int64_t key = 0; key < keys; ++key) scratch.value_rows[key] = block_of(v_cache, key / bs) + key % bs * d;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t n = std::min(bs, keys - b * bs);
+      const Bf16* rows = bf16_rows(block_of(v_cache, b), n, d, scratch.widened.data() + b * bs * d);
+      for (int64_t j = 0; j < n; ++j) scratch.value_rows[b * bs + j] = rows + j * d;
+    }
     scratch.out.resize(static_cast<size_t>(ld * d));
     amx_values(scores, ld, tiles, keys, scratch.value_rows.data(), d, scratch, scratch.out.data());
   } else {
     scratch.out.assign(static_cast<size_t>(mq * d), 0.f);
     for (int64_t b = 0; b < blocks; ++b) {
-      const Bf16* values = block_of(v_cache, b);
+      const T* values = block_of(v_cache, b);
       const int64_t n = std::min(bs, keys - b * bs);
       for (int64_t m = 0; m < mq; m += kVectorsPerPass)
         accumulate_vectors(scores + b * bs * ld + m, ld, values, n, d, std::min<int64_t>(kVectorsPerPass, mq - m),
@@ -618,15 +653,24 @@ void combine_parts(const std::vector<Task>& tasks, int64_t first, int64_t parts,
   }
 }
 
-// Whether tasks on this cache take the AMX path (see attend_tile_amx).
+// Whether tasks on this cache may take the AMX path (see attend_tile_amx): with a bfloat16 cache
+// all of them; with an int8 cache those of more than one tile of query vectors (prefill chunks),
+// for which the widening of its codes pays (decode rows read the codes in place).
 template <typename T>
 bool amx_tasks(const Shapes& s, bool round_queries) {
 #if defined(__AMX_BF16__) && defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, Bf16>) return round_queries && amx_attention(s);
+  if constexpr (std::is_same_v<T, Bf16> || kScaledRows<T>) return round_queries && amx_attention(s);
 #endif
   (void)s, (void)round_queries;
   return false;
 }
+
+#if defined(__AMX_BF16__) && defined(__AVX512F__)
+template <typename T>
+bool amx_task(bool amx, const Task& task, const Shapes& s) {
+  return amx && (!kScaledRows<T> || task.count * (s.heads / s.kv_heads) > kKeyTile);
+}
+#endif
 
 template <typename T>
 void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache, const T* v_cache,
@@ -646,8 +690,8 @@ void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache,
       const Task& task = tasks[t];
       const int64_t* table = tables + task.row * s.width;
 #if defined(__AMX_BF16__) && defined(__AVX512F__)
-      if constexpr (std::is_same_v<T, Bf16>) {
-        if (amx) {
+      if constexpr (std::is_same_v<T, Bf16> || kScaledRows<T>) {
+        if (amx_task<T>(amx, task, s)) {
           attend_tile_amx(q, k_cache, v_cache, table, task, s, scale, out, scratch);
           continue;
         }
@@ -692,7 +736,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   with_cache_type(cache_dtype, [&](auto element) { amx = amx_tasks<decltype(element)>(s, round_queries); });
   bool decode = true;
   for (int64_t r = 0; r < rows; ++r) decode = decode && lens[r] == 1;
-  const bool split = decode && rows < kSplitRows && !amx;
+  const bool split = decode && rows < kSplitRows && !(amx && cache_dtype == paddle::DataType::BFLOAT16);
   const int64_t part_keys = std::max<int64_t>(1, kSplitKeys / s.block_size) * s.block_size;
   const int64_t group = s.heads / s.kv_heads;
 

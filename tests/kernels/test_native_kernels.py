@@ -76,7 +76,7 @@ def _rows(rng: np.random.Generator, block_size: int, case: str) -> list[tuple[in
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 2, 32), (32, 4, 128)])
 @pytest.mark.parametrize("case", ["decode", "few-decode", "prefill", "ragged"])
 @pytest.mark.parametrize(("cache_dtype", "round_queries"), [("float32", False), ("bfloat16", False),
-                                                            ("bfloat16", True), ("int8", False)])
+                                                            ("bfloat16", True), ("int8", False), ("int8", True)])
 def test_cpp_attention_matches_the_reference(cpp, block_size: int, heads: int, kv_heads: int, head_dim: int,
                                              case: str, cache_dtype: str, round_queries: bool) -> None:
     """A bfloat16 or int8 cache: both read the same stored values, widened to float32 (the reference
@@ -94,7 +94,8 @@ def test_cpp_attention_matches_the_reference(cpp, block_size: int, heads: int, k
     want = pa.attention_reference(q, k_cache, v_cache, attn, round_queries=round_queries).numpy()
     got = cpp["attention"](q, k_cache, v_cache, attn, round_queries=round_queries).numpy()
     if round_queries and "decode" not in case:
-        rounded_weights = 2.0 ** -8 * np.abs(v_cache.astype("float32").numpy()).max()
+        stored = int8_cache.widen(v_cache) if cache_dtype == "int8" else v_cache.astype("float32")
+        rounded_weights = 2.0 ** -8 * np.abs(stored.numpy()).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=rounded_weights + 2e-6)
         assert np.abs(got - want).mean() < 2.0 ** -10   # roundings that cancel (measured ~2^-12); a lost key: ~1e-2
     else:

@@ -246,12 +246,14 @@ def test_bfloat16_linear_inputs_without_bfloat16_weights_name_the_key():
     assert load_config(model={"linear_weights": "bfloat16", "linear_inputs": "bfloat16"}).model.linear_inputs == "bfloat16"
 
 
-def test_bfloat16_queries_drain_back_to_free_and_need_a_bfloat16_cache(make_llm, tiny_model_dir):
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "int8"])
+def test_bfloat16_queries_drain_back_to_free_and_need_a_bfloat16_or_int8_cache(make_llm, tiny_model_dir,
+                                                                                 cache_dtype):
     from fd_core.request import SamplingParams
 
     if select_host_kernels().reads_gather_inputs:
-        pytest.skip("a bfloat16 KV cache needs the C++ kernels (no compiler here)")
-    llm = make_llm(cache={"num_blocks": 64, "dtype": "bfloat16"}, model={"attention_inputs": "bfloat16"})
+        pytest.skip(f"a {cache_dtype} KV cache needs the C++ kernels (no compiler here)")
+    llm = make_llm(cache={"num_blocks": 64, "dtype": cache_dtype}, model={"attention_inputs": "bfloat16"})
     assert llm.engine.runner.model.round_queries
     prompts = [[5, 6, 7, 8] * 10, [9, 10, 11], list(range(40, 140))] * 2
     outputs = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
@@ -260,7 +262,7 @@ def test_bfloat16_queries_drain_back_to_free_and_need_a_bfloat16_cache(make_llm,
     stats = llm.engine.resource_manager.stats()
     assert stats.num_free_blocks == stats.num_blocks
     with pytest.raises(ConfigError, match=r"^model\.attention_inputs: 'bfloat16' queries are multiplied with a "
-                                          r"bfloat16 cache; the cache stores 'float32'") as err:
+                                          r"bfloat16 or int8 cache; the cache stores 'float32'") as err:
         build_engine(load_config(model={"source": tiny_model_dir, "attention_inputs": "bfloat16"}))
     assert err.value.key == "model.attention_inputs"
 

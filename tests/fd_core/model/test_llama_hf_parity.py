@@ -107,6 +107,23 @@ def _ours_greedy(arch: LlamaArchConfig, weights: dict[str, np.ndarray], prompts:
             [np.stack(sampler.logits[r.request_id]) for r in reqs])
 
 
+def _assert_top1(logits: list[np.ndarray], expected_logits: list[np.ndarray], *, share: float, tie: float) -> None:
+    """Teacher-forced top-1: ours is the oracle's at >= ``share`` of the steps, and where it is not, the
+    oracle's logits for the two tokens are within ``tie`` of its logit range (a near-tie, never a
+    confident token lost)."""
+    steps = agree = 0
+    gaps = []
+    for ours, theirs in zip(logits, expected_logits, strict=True):
+        for mine, oracle in zip(ours, theirs, strict=True):
+            steps += 1
+            best, picked = int(oracle.argmax()), int(mine.argmax())
+            agree += best == picked
+            gaps.append(oracle[best] - oracle[picked])
+            assert oracle[best] - oracle[picked] <= tie * (oracle.max() - oracle.min()), (best, picked)
+    print(f"top-1 agreed at {agree} of {steps} steps; largest gap {max(gaps):.4g}")
+    assert agree >= share * steps, f"top-1 agreed at {agree} of {steps} steps"
+
+
 @pytest.mark.parametrize("kernels", kernel_sets())
 @pytest.mark.parametrize("variant", ["llama-untied", "llama-tied", "qwen2-bias"])
 def test_greedy_tokens_and_logits_match_transformers(tmp_path: Path, variant: str, kernels: KernelSet) -> None:
@@ -135,7 +152,7 @@ def _prompts(arch: LlamaArchConfig) -> list[list[int]]:
     return prompts
 
 
-NEEDS_CPP_KV = pytest.mark.skipif(HOST_KERNELS.reads_gather_inputs, reason="a bfloat16 KV cache needs the C++ kernels")
+NEEDS_CPP_KV = pytest.mark.skipif(HOST_KERNELS.reads_gather_inputs, reason="a bfloat16 or int8 KV cache needs the C++ kernels")
 
 
 @pytest.mark.parametrize(("kv_dtype", "linear_weights", "linear_inputs", "attention_inputs", "head_dim"), [
@@ -165,18 +182,28 @@ def test_bfloat16_modes_agree_with_transformers_on_top1_teacher_forced(tmp_path:
     _, logits = _ours_greedy(arch, weights, prompts, HOST_KERNELS, kv_dtype=kv_dtype, linear_weights=linear_weights,
                              linear_inputs=linear_inputs, attention_inputs=attention_inputs,
                              forced=expected_tokens)
+    _assert_top1(logits, expected_logits, share=0.97, tie=0.01)
 
-    steps = agree = 0
-    gaps = []
-    for ours, theirs in zip(logits, expected_logits, strict=True):
-        for mine, oracle in zip(ours, theirs, strict=True):
-            steps += 1
-            best, picked = int(oracle.argmax()), int(mine.argmax())
-            agree += best == picked
-            gaps.append(oracle[best] - oracle[picked])
-            assert oracle[best] - oracle[picked] <= 0.01 * (oracle.max() - oracle.min()), (best, picked)
-    print(f"top-1 agreed at {agree} of {steps} steps; largest gap {max(gaps):.4g}")
-    assert agree >= 0.97 * steps, f"top-1 agreed at {agree} of {steps} steps"
+
+@NEEDS_CPP_KV
+@pytest.mark.parametrize(("attention_inputs", "head_dim"), [("float32", 16), ("bfloat16", 32)])
+def test_int8_cache_agrees_with_transformers_on_top1_teacher_forced(tmp_path: Path, attention_inputs: str,
+                                                                    head_dim: int) -> None:
+    """``cache.dtype = "int8"``: each cached row of a head as int8 codes and one scale, its largest
+    magnitude / 127. This model's rows of 16 or 32 values agreed at 253 and 248 of 256 teacher-forced
+    steps (the bfloat16 cache: 254 and 252; queries rounded to bfloat16 at 32, whole AMX tiles, where
+    prefill chunks widen the codes onto tiles), every disagreement a near-tie. The bar: >= 95%, within
+    1% of the oracle's logit range. Wrong codes, scales or layout lose the top-1 at most steps."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    arch = tiny_arch(tie=False, bias=False, rope_theta=123456.0, head_dim=head_dim)
+    weights = random_weights(arch, seed=3)
+    _save_hf_folder(arch, weights, tmp_path / "model")
+    prompts = _prompts(arch)
+    expected_tokens, expected_logits = _hf_greedy(tmp_path / "model", prompts)
+    _, logits = _ours_greedy(arch, weights, prompts, HOST_KERNELS, kv_dtype="int8", attention_inputs=attention_inputs,
+                             forced=expected_tokens)
+    _assert_top1(logits, expected_logits, share=0.95, tie=0.01)
 
 
 def _kept_in_blocks(weights: dict[str, np.ndarray]) -> dict[str, object]:
@@ -215,17 +242,10 @@ def test_int8_inputs_agree_with_transformers_on_top1_teacher_forced(tmp_path: Pa
     _, logits = _ours_greedy(arch, kept, prompts, kernels, linear_inputs="int8", forced=expected_tokens)
     _, float_logits = _ours_greedy(arch, kept, prompts, kernels, forced=expected_tokens)
 
-    steps = agree = 0
     for ours, theirs, floats in zip(logits, expected_logits, float_logits, strict=True):
         np.testing.assert_allclose(floats, theirs, atol=1e-4, rtol=1e-4)   # float32 inputs: the oracle's logits
         assert np.abs(ours - theirs).max() > 1e-3   # int8 inputs: not the float32 path
-        for mine, oracle in zip(ours, theirs, strict=True):
-            steps += 1
-            best, picked = int(oracle.argmax()), int(mine.argmax())
-            agree += best == picked
-            assert oracle[best] - oracle[picked] <= 0.05 * (oracle.max() - oracle.min()), (best, picked)
-    print(f"top-1 agreed at {agree} of {steps} steps")
-    assert agree >= 0.9 * steps, f"top-1 agreed at {agree} of {steps} steps"
+    _assert_top1(logits, expected_logits, share=0.9, tie=0.05)
 
 
 @pytest.mark.parametrize("kernels", kernel_sets())
@@ -247,13 +267,6 @@ def test_int8_linears_agree_with_transformers_on_top1_teacher_forced(tmp_path: P
     _, logits = _ours_greedy(arch, weights, prompts, kernels, linear_weights="int8", linear_inputs="int8",
                              forced=expected_tokens)
 
-    steps = agree = 0
     for ours, theirs in zip(logits, expected_logits, strict=True):
         assert np.abs(ours - theirs).max() > 1e-3   # quantized: not the float32 path
-        for mine, oracle in zip(ours, theirs, strict=True):
-            steps += 1
-            best, picked = int(oracle.argmax()), int(mine.argmax())
-            agree += best == picked
-            assert oracle[best] - oracle[picked] <= 0.12 * (oracle.max() - oracle.min()), (best, picked)
-    print(f"top-1 agreed at {agree} of {steps} steps")
-    assert agree >= 0.8 * steps, f"top-1 agreed at {agree} of {steps} steps"
+    _assert_top1(logits, expected_logits, share=0.8, tie=0.12)
