@@ -1,5 +1,6 @@
-"""Whole-block byte views of the paged cache, for float32 and bfloat16 caches (NumPy has no
-bfloat16: its blocks travel as their 16-bit patterns, and the layout still says bfloat16)."""
+"""Whole-block byte views of the paged cache, for float32, bfloat16 and int8 caches (NumPy has no
+bfloat16: its blocks travel as their 16-bit patterns, and the layout still says bfloat16; an int8
+block's row scales travel inside it)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,25 @@ import pytest
 
 from fd_core.runner.kv_cache import LayerKVCache
 from fd_core.splitwise.kv_blocks import KVBlockViews
+from fd_kernels import int8_cache
 
 
 def _caches(dtype: str, seed: int) -> list[LayerKVCache]:
     rng = np.random.default_rng(seed)
-    return [LayerKVCache(*(paddle.to_tensor(rng.standard_normal((6, 2, 4, 8)).astype(np.float32)).astype(dtype)
-                           for _ in range(2))) for _ in range(3)]
+
+    def tensor() -> paddle.Tensor:
+        values = rng.standard_normal((6, 2, 4, 8)).astype(np.float32)
+        return paddle.to_tensor(int8_cache.quantize(values)) if dtype == "int8" else paddle.to_tensor(values).astype(dtype)
+
+    return [LayerKVCache(tensor(), tensor()) for _ in range(3)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_block_read_on_one_side_and_written_on_the_other_lands_exactly(dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "row_bytes"), [("float32", 8 * 4), ("bfloat16", 8 * 2), ("int8", 8 + 4)])
+def test_a_block_read_on_one_side_and_written_on_the_other_lands_exactly(dtype: str, row_bytes: int) -> None:
     source, target = _caches(dtype, 0), _caches(dtype, 1)
     sender, receiver = KVBlockViews(source), KVBlockViews(target)
     assert sender.layout == receiver.layout and sender.layout.endswith(f"dtype={dtype}")
-    assert sender.bytes_per_block == 3 * 2 * 2 * 4 * 8 * (4 if dtype == "float32" else 2)
+    assert sender.bytes_per_block == 3 * 2 * 2 * 4 * row_bytes
     receiver.write(5, [bytes(b) for b in sender.read(2)])
     for ours, theirs in zip(target, source, strict=True):
         for mine, sent in ((ours.key, theirs.key), (ours.value, theirs.value)):
@@ -33,4 +39,5 @@ def test_a_block_read_on_one_side_and_written_on_the_other_lands_exactly(dtype: 
 
 
 def test_layouts_of_other_dtypes_differ() -> None:
-    assert KVBlockViews(_caches("float32", 0)).layout != KVBlockViews(_caches("bfloat16", 0)).layout
+    layouts = {KVBlockViews(_caches(dtype, 0)).layout for dtype in ("float32", "bfloat16", "int8")}
+    assert len(layouts) == 3
