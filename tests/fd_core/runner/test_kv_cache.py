@@ -7,6 +7,7 @@ import ctypes.util
 import os
 import sys
 
+import paddle
 import pytest
 
 from fd_core.model.arch import LlamaArchConfig
@@ -27,9 +28,18 @@ def test_bytes_per_block_matches_allocation() -> None:
     assert kv_cache_bytes_per_block(ARCH, 8, "bfloat16") * 2 == kv_cache_bytes_per_block(ARCH, 8)
 
 
+def test_an_int8_cache_has_room_for_a_scale_per_row() -> None:
+    """Rows of head_dim codes and a float32 scale (fd_kernels.int8_cache): 16 + 4 bytes a row here."""
+    caches = allocate_kv_caches(ARCH, num_blocks=5, block_size=8, dtype="int8")
+    assert caches[0].key.shape == [5, 2, 8, 20] and caches[0].key.dtype == paddle.int8
+    allocated = sum(c.key.numel().item() + c.value.numel().item() for c in caches)
+    assert kv_cache_bytes_per_block(ARCH, 8, "int8") * 5 == allocated
+    assert kv_cache_bytes_per_block(ARCH, 8, "int8") * 16 == kv_cache_bytes_per_block(ARCH, 8) * 5
+
+
 def test_unknown_dtype_rejected() -> None:
-    with pytest.raises(ValueError, match="'int8' is not supported"):
-        allocate_kv_caches(ARCH, num_blocks=5, block_size=8, dtype="int8")
+    with pytest.raises(ValueError, match="'int4' is not supported"):
+        allocate_kv_caches(ARCH, num_blocks=5, block_size=8, dtype="int4")
 
 
 def _resident_pages(address: int, size: int) -> tuple[int, int]:
