@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import paddle
 
+from fd_kernels.int8_cache import ROW_EXTRA
+
 if TYPE_CHECKING:
     from fd_core.model.arch import LlamaArchConfig
 
@@ -25,8 +27,6 @@ _DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8
 
 def _row_width(arch: LlamaArchConfig, dtype: str) -> int:
     """Elements of a cache row: head_dim, and an int8 cache's scale (``fd_kernels.int8_cache``)."""
-    from fd_kernels.int8_cache import ROW_EXTRA
-
     return arch.head_dim + (ROW_EXTRA if dtype == "int8" else 0)
 
 

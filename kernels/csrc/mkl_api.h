@@ -7,6 +7,7 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstddef>
 #include <string>
 
@@ -24,17 +25,29 @@ struct Functions {
   void (*gemm)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
 };
 
-// The entry points of the library at `path`; the first call's path is the one opened.
+// The library at `path`, opened by the first call that names one (later paths are ignored); null
+// until then, or when it cannot be opened.
+inline void* library(const std::string& path) {
+  static std::atomic<void*> opened{nullptr};
+  if (opened.load() == nullptr && !path.empty()) opened.store(dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL));
+  return opened.load();
+}
+
+// `entry` <- the library's symbol `name` (null when the library or the symbol is missing).
+template <typename F>
+inline void resolve(void* opened, const char* name, F& entry) {
+  entry = opened == nullptr ? nullptr : reinterpret_cast<F>(dlsym(opened, name));
+}
+
+// The float32 entry points of the library at `path` (see library()).
 inline const Functions& functions(const std::string& path = "") {
   static const Functions found = [&] {
     Functions f{};
-    void* library = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (library != nullptr) {
-      f.get_size = reinterpret_cast<decltype(f.get_size)>(dlsym(library, "cblas_sgemm_pack_get_size"));
-      f.pack = reinterpret_cast<decltype(f.pack)>(dlsym(library, "cblas_sgemm_pack"));
-      f.compute = reinterpret_cast<decltype(f.compute)>(dlsym(library, "cblas_sgemm_compute"));
-      f.gemm = reinterpret_cast<decltype(f.gemm)>(dlsym(library, "cblas_sgemm"));
-    }
+    void* opened = library(path);
+    resolve(opened, "cblas_sgemm_pack_get_size", f.get_size);
+    resolve(opened, "cblas_sgemm_pack", f.pack);
+    resolve(opened, "cblas_sgemm_compute", f.compute);
+    resolve(opened, "cblas_sgemm", f.gemm);
     return f;
   }();
   PD_CHECK(found.get_size && found.pack && found.compute && found.gemm,
@@ -54,15 +67,14 @@ struct Int8Functions {
 // Fixed offset of C (CBLAS_OFFSET), for the integer GEMM.
 constexpr int kFixOffset = 173;
 
+// The integer entry points of the library at `path` (see library()).
 inline const Int8Functions& int8_functions(const std::string& path = "") {
   static const Int8Functions found = [&] {
     Int8Functions f{};
-    void* library = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (library != nullptr) {
-      f.get_size = reinterpret_cast<decltype(f.get_size)>(dlsym(library, "cblas_gemm_s8u8s32_pack_get_size"));
-      f.pack = reinterpret_cast<decltype(f.pack)>(dlsym(library, "cblas_gemm_s8u8s32_pack"));
-      f.compute = reinterpret_cast<decltype(f.compute)>(dlsym(library, "cblas_gemm_s8u8s32_compute"));
-    }
+    void* opened = library(path);
+    resolve(opened, "cblas_gemm_s8u8s32_pack_get_size", f.get_size);
+    resolve(opened, "cblas_gemm_s8u8s32_pack", f.pack);
+    resolve(opened, "cblas_gemm_s8u8s32_compute", f.compute);
     return f;
   }();
   PD_CHECK(found.get_size && found.pack && found.compute,

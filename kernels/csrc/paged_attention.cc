@@ -426,7 +426,7 @@ inline const Bf16* bf16_rows(const Int8Code* rows, int64_t n, int64_t d, Bf16* t
   return to;
 }
 
-// Rows [first, first + n) of key-major S^T (ld apart) times their keys' scales: an int8 block's.
+// The first n rows of key-major S^T (ld apart) times their keys' scales: an int8 block's.
 inline void scale_key_rows(float* s, int64_t ld, int64_t n, const float* scales) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t m = 0; m < ld; m += 16)
@@ -468,7 +468,7 @@ template <typename T>
     return cache + (table[b] * s.kv_heads + task.kv_head) * bs * (d + kRowExtra<T>);
   };
   const int64_t blocks = (keys + bs - 1) / bs;
-  if constexpr (kScaledRows<T>) scratch.widened.resize(static_cast<size_t>(std::max(bs, blocks * bs) * d));
+  if constexpr (kScaledRows<T>) scratch.widened.resize(static_cast<size_t>(blocks * bs * d));
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t n = std::min(bs, keys - b * bs);
     const Bf16* block = bf16_rows(block_of(k_cache, b), (n + kKeyTile - 1) / kKeyTile * kKeyTile, d,

@@ -10,21 +10,9 @@ import numpy as np
 import paddle
 import pytest
 
-from fd_kernels import native
 from fd_kernels.linear import PORTABLE_LINEAR
 from fd_kernels.quantized import (INT8_WEIGHT_LEVELS, int8_linear_exact, quantize_int8_channels,
                                   quantize_uint8_rows)
-from fd_plugins.platforms.cpu import CpuPlatform
-
-
-@pytest.fixture(scope="module")
-def linear():
-    try:
-        return native.prepare_linear(CpuPlatform().capabilities)
-    except native.NativeKernelsUnavailable as exc:
-        if "no C++ compiler" in str(exc):
-            pytest.skip(str(exc))
-        raise
 
 
 def test_codes_stay_within_the_levels_and_rows_round_trip() -> None:

@@ -10,11 +10,9 @@ import numpy as np
 import paddle
 import pytest
 
-from fd_kernels import native
 from fd_kernels.linear import PORTABLE_LINEAR
 from fd_kernels.quantized import (BlockQuantized, from_gguf_blocks, int8_block_values, quantize_int8_blocks,
                                   stack_rows)
-from fd_plugins.platforms.cpu import CpuPlatform
 
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -56,16 +54,6 @@ def test_a_malformed_tensor_is_refused_with_its_shape() -> None:
         from_gguf_blocks("Q4_1", np.zeros(4 * 40, np.uint8), (4, 40))
     with pytest.raises(ValueError, match="do not hold 2 rows"):
         BlockQuantized(4, np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32))
-
-
-@pytest.fixture(scope="module")
-def linear():
-    try:
-        return native.prepare_linear(CpuPlatform().capabilities)
-    except native.NativeKernelsUnavailable as exc:
-        if "no C++ compiler" in str(exc):
-            pytest.skip(str(exc))
-        raise
 
 
 # 1: a decode row; 3 and 13: partial tiles of 8; 64: one row task; 100: two, the last partial;

@@ -107,6 +107,21 @@ def _ours_greedy(arch: LlamaArchConfig, weights: dict[str, np.ndarray], prompts:
             [np.stack(sampler.logits[r.request_id]) for r in reqs])
 
 
+def _teacher_forced(tmp_path: Path, kernels: KernelSet, *, head_dim: int = 16,
+                    **modes: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Our per-step logits with ``modes`` (``_ours_greedy``'s keywords) and the oracle's, teacher-forced
+    over the oracle's own greedy continuation, on the tiny untied Llama of seed 3."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    arch = tiny_arch(tie=False, bias=False, rope_theta=123456.0, head_dim=head_dim)
+    weights = random_weights(arch, seed=3)
+    _save_hf_folder(arch, weights, tmp_path / "model")
+    prompts = _prompts(arch)
+    expected_tokens, expected_logits = _hf_greedy(tmp_path / "model", prompts)
+    _, logits = _ours_greedy(arch, weights, prompts, kernels, forced=expected_tokens, **modes)
+    return logits, expected_logits
+
+
 def _assert_top1(logits: list[np.ndarray], expected_logits: list[np.ndarray], *, share: float, tie: float) -> None:
     """Teacher-forced top-1: ours is the oracle's at >= ``share`` of the steps, and where it is not, the
     oracle's logits for the two tokens are within ``tie`` of its logit range (a near-tie, never a
@@ -172,16 +187,9 @@ def test_bfloat16_modes_agree_with_transformers_on_top1_teacher_forced(tmp_path:
     in the oracle's logits (the two tokens within 1% of its logit range) - never a confident token lost.
     Heads of 32 dims: whole AMX tiles, so rounded queries take the tiles where the CPU has them (that
     model, every part in bfloat16, agreed at 245 of 256 steps with float32 queries too: past this bar)."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    arch = tiny_arch(tie=False, bias=False, rope_theta=123456.0, head_dim=head_dim)
-    weights = random_weights(arch, seed=3)
-    _save_hf_folder(arch, weights, tmp_path / "model")
-    prompts = _prompts(arch)
-    expected_tokens, expected_logits = _hf_greedy(tmp_path / "model", prompts)
-    _, logits = _ours_greedy(arch, weights, prompts, HOST_KERNELS, kv_dtype=kv_dtype, linear_weights=linear_weights,
-                             linear_inputs=linear_inputs, attention_inputs=attention_inputs,
-                             forced=expected_tokens)
+    logits, expected_logits = _teacher_forced(tmp_path, HOST_KERNELS, head_dim=head_dim, kv_dtype=kv_dtype,
+                                              linear_weights=linear_weights, linear_inputs=linear_inputs,
+                                              attention_inputs=attention_inputs)
     _assert_top1(logits, expected_logits, share=0.97, tie=0.01)
 
 
@@ -194,15 +202,8 @@ def test_int8_cache_agrees_with_transformers_on_top1_teacher_forced(tmp_path: Pa
     steps (the bfloat16 cache: 254 and 252; queries rounded to bfloat16 at 32, whole AMX tiles, where
     prefill chunks widen the codes onto tiles), every disagreement a near-tie. The bar: >= 95%, within
     1% of the oracle's logit range. Wrong codes, scales or layout lose the top-1 at most steps."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    arch = tiny_arch(tie=False, bias=False, rope_theta=123456.0, head_dim=head_dim)
-    weights = random_weights(arch, seed=3)
-    _save_hf_folder(arch, weights, tmp_path / "model")
-    prompts = _prompts(arch)
-    expected_tokens, expected_logits = _hf_greedy(tmp_path / "model", prompts)
-    _, logits = _ours_greedy(arch, weights, prompts, HOST_KERNELS, kv_dtype="int8", attention_inputs=attention_inputs,
-                             forced=expected_tokens)
+    logits, expected_logits = _teacher_forced(tmp_path, HOST_KERNELS, head_dim=head_dim, kv_dtype="int8",
+                                              attention_inputs=attention_inputs)
     _assert_top1(logits, expected_logits, share=0.95, tie=0.01)
 
 
@@ -257,15 +258,7 @@ def test_int8_linears_agree_with_transformers_on_top1_teacher_forced(tmp_path: P
     wide: 356 of 384, within 3.4%, in a float32 simulation of the same rounding). The bar: >= 80%,
     within 12%. Broken integer arithmetic (a wrong zero point, scale or layout) loses the top-1 at most
     steps."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    arch = tiny_arch(tie=False, bias=False, rope_theta=123456.0)
-    weights = random_weights(arch, seed=3)
-    _save_hf_folder(arch, weights, tmp_path / "model")
-    prompts = _prompts(arch)
-    expected_tokens, expected_logits = _hf_greedy(tmp_path / "model", prompts)
-    _, logits = _ours_greedy(arch, weights, prompts, kernels, linear_weights="int8", linear_inputs="int8",
-                             forced=expected_tokens)
+    logits, expected_logits = _teacher_forced(tmp_path, kernels, linear_weights="int8", linear_inputs="int8")
 
     for ours, theirs in zip(logits, expected_logits, strict=True):
         assert np.abs(ours - theirs).max() > 1e-3   # quantized: not the float32 path
