@@ -3,7 +3,9 @@
 ``python -m fd_core.api_reference > docs/api.md`` regenerates ``docs/api.md``; a test fails when
 the committed file differs. Per name: its kind, signature and docstring; per class, its public
 methods and properties (those defined in fd_core) with their signatures and first docstring
-paragraph.
+paragraph. An object made by another library (``hookimpl`` is a ``pluggy.HookimplMarker``) is
+named by that library's public name only: its signature and docstring belong to the library and
+change with its releases, which would make this file depend on the installed version.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import enum
 import inspect
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,8 +47,28 @@ def _members(cls: type) -> Iterator[str]:
             yield f"- `{name}{_signature(member)}`" + (f": {doc}" if doc else "")
 
 
+def _public_name(cls: type) -> str:
+    """``package.Name`` when the class's top-level package exports it under that name (pluggy's
+    ``HookimplMarker`` lives in a private module that moved in pluggy 1.7), else its full path."""
+    top = cls.__module__.split(".", 1)[0]
+    if getattr(sys.modules.get(top), cls.__qualname__, None) is cls:
+        return f"{top}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_foreign(obj: Any) -> bool:
+    """True for an instance of another library's class (not a class, function or plain value)."""
+    if inspect.isclass(obj) or inspect.isroutine(obj) or isinstance(obj, (int, float, str, bool, type(None))):
+        return False
+    return not type(obj).__module__.startswith("fd_core")
+
+
 def _entry(name: str, obj: Any) -> list[str]:
     where = getattr(obj, "__module__", None) or ""
+    if _is_foreign(obj):
+        public = _public_name(type(obj))
+        return [f"### `{name}` (`{public}` instance, `{fd_core._EXPORTS[name]}`)", "",
+                f"Made by another library: `{public}`'s own documentation says how it is called.", ""]
     if inspect.isclass(obj) and issubclass(obj, enum.Enum):
         values = ", ".join(f"`{m.value}`" for m in obj)
         return [f"### `{name}` (enum, `{where}`)", "", _first_paragraph(obj), "", f"Values: {values}.", ""]

@@ -2,7 +2,7 @@
 
 :meth:`HookTracer.install` wraps the function of every registered implementation of every
 fd hook (hook wrappers excepted: they make no decision), so both pluggy's own calls and
-:class:`~fd_core.plugin_guard.DecisionHooks`' one-by-one calls are counted. The engine exports
+:class:`~fd_core.plugin_guard.GuardedHooks`' one-by-one calls are counted. The engine exports
 :meth:`HookTracer.snapshot` in ``/metrics`` as ``fd_hook_calls_total``, ``fd_hook_errors_total``
 and ``fd_hook_seconds_total`` with the labels ``hook`` and ``plugin``. Install it last, once
 every plugin is registered; the cost is two clock reads and a lock per call.

@@ -222,12 +222,9 @@ class Registry:
             f"no such {seam.replace('_', ' ')}; available: {candidates}",
         )
 
-    def _is_unique(self, record: PluginRecord) -> bool:
-        return sum(r.seam == record.seam and r.name == record.name for r in self._records) == 1
-
     def _load_record(self, record: PluginRecord, *, raise_errors: bool) -> None:
         try:
-            obj = _load_entry_point(record, unique=self._is_unique(record))
+            obj = _load_entry_point(record)
             _check_version(record, obj)
             _check_contract(record, obj)
         except (KeyboardInterrupt, SystemExit):
@@ -260,7 +257,7 @@ class Registry:
 
     def _load_general(self, record: PluginRecord) -> None:
         try:
-            obj = _load_entry_point(record, unique=True)
+            obj = _load_entry_point(record)
             _check_version(record, obj)
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -363,26 +360,15 @@ def _records_for(seam: str, group: str, blocked: set[str]) -> list[PluginRecord]
     return records
 
 
-def _load_entry_point(record: PluginRecord, *, unique: bool) -> Any:
-    """Import exactly one plugin.
+def _load_entry_point(record: PluginRecord) -> Any:
+    """Import exactly one plugin: the entry point the record names (never the other candidates
+    of a clashing name).
 
-    A name only one entry point claims loads through stevedore's DriverManager, which hands
-    the import error to our callback. A clashing name loads the winner's entry point alone:
-    stevedore would import every candidate of that name, shadowed ones included.
+    Read from ``importlib.metadata`` at each call: stevedore, used here before, keeps each
+    group's entry points for the life of the process, so a plugin installed after the first
+    look-up was never found in that process.
     """
-    if not unique:
-        for entry_point in metadata.entry_points(group=record.group):
-            if entry_point.name == record.name and entry_point.value == record.target:
-                return entry_point.load()
-        raise LookupError(f"entry point {record.target} is no longer installed")
-    from stevedore import driver, exception
-
-    errors: list[BaseException] = []
-    try:
-        manager = driver.DriverManager(namespace=record.group, name=record.name,
-                                       on_load_failure_callback=lambda _mgr, _ep, exc: errors.append(exc))
-    except exception.NoMatches:
-        if errors:
-            raise errors[0] from None
-        raise
-    return manager.driver
+    for entry_point in metadata.entry_points(group=record.group):
+        if entry_point.name == record.name and entry_point.value == record.target:
+            return entry_point.load()
+    raise LookupError(f"entry point {record.target} is no longer installed")

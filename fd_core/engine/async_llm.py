@@ -98,11 +98,12 @@ class AsyncLLM:
         self.engine.abort(request_id)
 
     def shutdown(self) -> None:
-        """Stop both threads (requests still running are abandoned)."""
+        """Stop both threads (requests still running are abandoned), then close the engine."""
         self._stop.set()
         self.engine.wake()
         self._engine_thread.join()
         self._pump_thread.join()
+        self.engine.close()
 
     async def __aenter__(self) -> AsyncLLM:
         return self

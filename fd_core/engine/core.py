@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from fd_core.errors import PluginError, QueueFullError, RequestError
 from fd_core.outputs import RequestMetrics, RequestOutput, ScheduledRequest, StepPlan, StepResult
-from fd_core.plugin_guard import FailureReporter, plugin_label
+from fd_core.plugin_guard import FailureReporter, GuardedHooks, plugin_label
 from fd_core.request import FinishReason, Request, RequestStatus
 from fd_core.splitwise.roles import MIXED, EngineHandoff
 
@@ -92,7 +92,8 @@ class EngineCore:
         self.token_processor = token_processor
         self.runner = runner
         self.limits = limits
-        self.hooks = hooks
+        self.hooks = hooks                       # the pluggy relay; the core calls it through _hooks
+        self._hooks = GuardedHooks(hooks)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.handoff = handoff
@@ -105,6 +106,8 @@ class EngineCore:
         self._idle = True                        # the last step had nothing to do
         self._wakeup = threading.Event()         # set by wake(): an idle loop with no room waits on it
         self._failures = FailureReporter()
+        self._started = False                    # start() ran (fd_engine_started was called)
+        self._closed = False                     # close() ran
         self._num_steps = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -187,26 +190,32 @@ class EngineCore:
 
     # --- the loop (engine thread only) ---------------------------------------------------------
 
+    def start(self) -> None:
+        """Tell the plugins the engine is about to take requests (``fd_engine_started``); once.
+
+        Every way of running the engine (the offline ``LLM``, ``AsyncLLM``, the server's engine
+        process) starts it before its first step and calls :meth:`close` after its last."""
+        if not self._started:
+            self._started = True
+            self._hooks.notify("fd_engine_started", config=self.config)
+
     def run(self, stop: threading.Event) -> None:
-        """Step until ``stop`` is set; block while idle."""
-        self.hooks.fd_engine_started(config=self.config)
+        """:meth:`start`, then step until ``stop`` is set; block while idle. :meth:`close` follows."""
+        self.start()
         backoff = 0.0
-        try:
-            while not stop.is_set():
-                try:
-                    if self._idle and not self._aborts and not self.handoff.has_events():
-                        self._wait_for_work()
-                    self.step()
-                    backoff = 0.0
-                except Exception:  # a plugin bug must not strand clients: fail what is in flight
-                    log.exception("engine step failed; failing %d in-flight requests", len(self._in_engine))
-                    self._route(self.fail_in_flight("engine step failed; see the server log"))
-                    # a plugin that fails on every call must not make this loop spin
-                    low, high = FAILURE_BACKOFF_S
-                    backoff = min(high, max(low, 2 * backoff))
-                    stop.wait(backoff)
-        finally:
-            self.hooks.fd_engine_stopped()
+        while not stop.is_set():
+            try:
+                if self._idle and not self._aborts and not self.handoff.has_events():
+                    self._wait_for_work()
+                self.step()
+                backoff = 0.0
+            except Exception:  # a plugin bug must not strand clients: fail what is in flight
+                log.exception("engine step failed; failing %d in-flight requests", len(self._in_engine))
+                self._route(self.fail_in_flight("engine step failed; see the server log"))
+                # a plugin that fails on every call must not make this loop spin
+                low, high = FAILURE_BACKOFF_S
+                backoff = min(high, max(low, 2 * backoff))
+                stop.wait(backoff)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns (and routes) the outputs it produced."""
@@ -232,7 +241,14 @@ class EngineCore:
                                    hooks=self._hook_tracer.snapshot() if self._hook_tracer is not None else [])
 
     def close(self) -> None:
-        """Release the seams' connections and threads (hand-off, scheduler); once, after :meth:`run`."""
+        """After the last step: tell the plugins (``fd_engine_stopped``, if :meth:`start` ran),
+        then release the seams' connections and threads (hand-off, scheduler). Later calls do
+        nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            self._hooks.notify("fd_engine_stopped")
         self._tell(self.handoff, "close")
         self._tell(self.scheduler, "close")
 
@@ -275,10 +291,13 @@ class EngineCore:
                 self.token_processor.add_request(request)
                 if not self.handoff.admit(request):
                     self.resource_manager.add_request(request)
-                self.hooks.fd_request_added(request=request)
             except Exception as exc:  # one plugin failure refuses this request, not the batch
                 log.exception("could not admit %r", request)
                 refused.append((request, FinishReason.ERROR, f"could not admit the request: {exc}", None))
+                continue
+            refusal = self._hooks.refusal("fd_request_added", request=request)
+            if refusal is not None:
+                refused.append((request, FinishReason.ERROR, f"the request was refused by {refusal}", None))
         self._route(self._end(refused))
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
@@ -292,7 +311,7 @@ class EngineCore:
         self._count_tokens(plan, result)
         self.handoff.computed(plan, result)
         outputs = self._process(plan, result)
-        self.hooks.fd_step_finished(plan=plan, result=result, stats={"kv": self.resource_manager.stats()})
+        self._hooks.notify("fd_step_finished", plan=plan, result=result, stats={"kv": self.resource_manager.stats()})
         return outputs
 
     def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
@@ -315,12 +334,15 @@ class EngineCore:
         """Take what the hand-off brought: prompts to compute for a decode instance, first tokens
         whose KV arrived (they are processed like sampled tokens), requests to end."""
         events = self.handoff.poll(self._room())
+        refused: list[_Ending] = []
         for request in events.new_requests:
             self._unrouted.add(request.request_id)
             self._in_engine[request.request_id] = request
             self.resource_manager.add_request(request)
-            self.hooks.fd_request_added(request=request)
-        outputs = self._end([(request, reason, error, None) for request, reason, error in events.ends])
+            refusal = self._hooks.refusal("fd_request_added", request=request)
+            if refusal is not None:
+                refused.append((request, FinishReason.ERROR, f"the request was refused by {refusal}", None))
+        outputs = self._end(refused + [(request, reason, error, None) for request, reason, error in events.ends])
         if events.first_tokens:
             outputs += self._first_tokens(events.first_tokens)
         return outputs
@@ -391,14 +413,13 @@ class EngineCore:
                                        num_cached_tokens=request.num_cached_tokens)
             output.finished, output.finish_reason, output.error = True, reason, error
             output.metrics = RequestMetrics.snapshot(request)
-            self._tell(self.hooks, "fd_request_finished", request=request, output=output)
+            self._hooks.notify("fd_request_finished", request=request, output=output)
             finals.append(output)
         return finals
 
     def _tell(self, plugin: Any, method: str, *args: Any, **kwargs: Any) -> None:
-        """Call a seam (or the hook relay) while ending requests; a failure is reported, not raised."""
+        """Call a seam method while ending requests or closing; a failure is reported, not raised."""
         try:
             getattr(plugin, method)(*args, **kwargs)
         except Exception as exc:
-            who = "hooks" if plugin is self.hooks else plugin_label(plugin)
-            self._failures.report(who, method, f"raised {type(exc).__name__}: {exc}")
+            self._failures.report(plugin_label(plugin), method, f"raised {type(exc).__name__}: {exc}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,21 @@ class LLM:
 
         self.config = engine_config(model, config, sections)
         self.engine: EngineCore = build_engine(self.config)
+        self.engine.start()
+        # closed by close(), by leaving a ``with`` block, or when this object is collected or
+        # the interpreter exits, whichever comes first (fd_engine_stopped is told once)
+        self._close = weakref.finalize(self, self.engine.close)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Tell the plugins the engine stopped and release its connections; later calls do nothing."""
+        self._close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

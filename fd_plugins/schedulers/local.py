@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.contracts.scheduler import Scheduler
-from fd_core.plugin_guard import DecisionHooks
+from fd_core.plugin_guard import GuardedHooks
 from fd_core.errors import QueueFullError
 from fd_core.outputs import RequestOutput
 from fd_core.request import FinishReason
@@ -55,7 +55,7 @@ class LocalScheduler(Scheduler):
         self._has_requests = threading.Condition(self._lock)
         self._has_results = threading.Condition(self._lock)
         self._woken = False
-        self._decisions = DecisionHooks(hooks)
+        self._decisions = GuardedHooks(hooks)
 
     def put_request(self, request: Request) -> None:
         with self._lock:
@@ -114,7 +114,7 @@ class LocalScheduler(Scheduler):
         subclass overrides :meth:`default_order`; overriding this method is refused when the
         class is defined, since it would silently bypass every hook). A hook that raises or
         answers anything but a permutation is reported once and the default is used (see
-        :class:`~fd_core.plugin_guard.DecisionHooks`).
+        :class:`~fd_core.plugin_guard.GuardedHooks`).
         """
 
         ordered = hook_order(self._decisions, waiting, now)
@@ -165,7 +165,7 @@ def drain_results(results: deque[RequestOutput], has_results: threading.Conditio
     return taken
 
 
-def hook_order(decisions: DecisionHooks, waiting: list[Request], now: float) -> list[Request] | None:
+def hook_order(decisions: GuardedHooks, waiting: list[Request], now: float) -> list[Request] | None:
     """The ``fd_order_waiting`` hooks' order of ``waiting``, or None when no hook answers with a
     permutation of it (a wrong answer is reported once, naming the plugin)."""
 
@@ -176,7 +176,7 @@ def hook_order(decisions: DecisionHooks, waiting: list[Request], now: float) -> 
             same = False
         return None if same else "is not a permutation of the waiting requests"
 
-    ordered = decisions.call("fd_order_waiting", is_permutation, waiting=list(waiting), now=now)
+    ordered = decisions.decide("fd_order_waiting", is_permutation, waiting=list(waiting), now=now)
     return None if ordered is None else list(ordered)
 
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fd_core.plugin_guard import DecisionHooks
+from fd_core.plugin_guard import GuardedHooks
 from fd_core.outputs import StepPlan
 from fd_core.request import FinishReason, RequestStatus
 from fd_plugins.resource_managers._common import BlockTable, QueuedBlockManager, cdiv
@@ -74,7 +74,7 @@ class V1ResourceManager(QueuedBlockManager):
         pool = BlockPool(limits.num_blocks,
                          on_evict=self.prefix_cache.forget if self.prefix_cache is not None else None)
         super().__init__(settings, limits=limits, hooks=hooks, pool=pool)
-        self._decisions = DecisionHooks(hooks)
+        self._decisions = GuardedHooks(hooks)
         self._long_prefill_threshold = settings.long_prefill_token_threshold
         self._hashes: dict[str, list[bytes]] = {}   # request id -> its chain of full-block hashes
         self._cache_queries = 0                     # tokens looked up in the prefix cache
@@ -171,7 +171,7 @@ class V1ResourceManager(QueuedBlockManager):
         n = min(behind, budget)
         if behind == 1 or not self.limits.enable_chunked_prefill:
             return n
-        proposal = self._decisions.call("fd_prefill_chunk_size", _is_token_count,
+        proposal = self._decisions.decide("fd_prefill_chunk_size", _is_token_count,
                                         request=request, remaining_prompt=behind, budget=budget)
         if proposal is not None:
             return max(1, min(int(proposal), n))
@@ -185,7 +185,7 @@ class V1ResourceManager(QueuedBlockManager):
         def is_running(victim: Any) -> str | None:
             return None if any(r is victim for r in running) else "is not one of the running requests it was given"
 
-        victim = self._decisions.call("fd_select_preemption_victim", is_running, running=running,
+        victim = self._decisions.decide("fd_select_preemption_victim", is_running, running=running,
                                       needed_by=needed_by)
         return self.running[-1] if victim is None else victim
 

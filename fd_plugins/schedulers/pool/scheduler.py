@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from fd_core.contracts.scheduler import Scheduler
 from fd_core.errors import ConfigError, QueueFullError
-from fd_core.plugin_guard import DecisionHooks
+from fd_core.plugin_guard import GuardedHooks
 from fd_core.outputs import RequestOutput
 from fd_core.request import FinishReason, Request
 from fd_core.server import wire
@@ -90,7 +90,7 @@ class GlobalScheduler(Scheduler):
         except RedisLost as exc:
             self._store.close()
             raise ConfigError("scheduler.options.url", str(exc)) from None
-        self._decisions = DecisionHooks(hooks)
+        self._decisions = GuardedHooks(hooks)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._has_results = threading.Condition(self._lock)
