@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "CompletionResult": "fd_core.engine.results",
     "EngineCore": "fd_core.engine.core",
     "build_engine": "fd_core.engine.builder",
+    "FdDeprecationWarning": "fd_core.compat",
     "FdError": "fd_core.errors",
     "ConfigError": "fd_core.errors",
     "PluginError": "fd_core.errors",
@@ -72,6 +73,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from fd_core.compat import FdDeprecationWarning
     from fd_core.config import FdConfig, load_config
     from fd_core.contracts.connector import Connector, Delivery
     from fd_core.contracts.platform import DetectResult, MemoryProfile, Platform

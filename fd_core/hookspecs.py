@@ -11,25 +11,18 @@ Three families:
 * **Lifecycle** — notifications; return values are ignored. They run on the engine thread, so
   keep them cheap.
 
-Every plugin declares ``fd_hookspec_version``; the registry refuses a plugin whose value is
-newer than :data:`FD_HOOKSPEC_VERSION` or older than its seam's :data:`OLDEST_COMPATIBLE`,
-naming the plugin.
+Every plugin declares ``fd_hookspec_version``; ``fd_core.compat`` decides which versions each
+seam still loads (older ones with a deprecation warning), and the registry refuses the others,
+naming the plugin, the change and the fix.
 
 A decision hook that raises, or answers something the caller cannot use, is reported once
 (naming the plugin and the hook) and skipped; see ``fd_core.plugin_guard``.
 
-Versions:
+Versions (``fd_core.compat`` lists what each changed; ``CHANGELOG.md`` says how to port):
 
 * 1 — the first release.
-* 2 — the engine core alone ends requests: ``TokenProcessor`` reports finishes in its outputs
-  and has ``forget(request_id)`` instead of ``finish()``, and takes no ``resource_manager``;
-  ``ResourceManager.abort`` is gone (``finish_requests(..., FinishReason.ABORT)``) and managers
-  no longer set ``FINISHED``; ``ResourceManager.supports_prefix_caching`` was added;
-  ``Platform.capabilities`` is read per instance. No hook signature changed.
-* 3 — the ``Connector`` contract became the transport of the core's prefill/decode hand-off
-  (``start``/``send``/``receive``/``wake``, block messages); ``ResourceManager.reserve`` was added
-  (optional, for decode instances). Only connectors must declare 3: a plugin of any other seam,
-  or a general plugin, written for version 2 still loads (:data:`OLDEST_COMPATIBLE`).
+* 2 — the engine core alone ends requests (token processor and resource manager contracts).
+* 3 — the ``Connector`` contract became the transport of the core's prefill/decode hand-off.
 """
 
 from __future__ import annotations
@@ -46,11 +39,6 @@ if TYPE_CHECKING:
 PROJECT_NAME: Final = "fd"
 #: Bumped when a hook or a seam contract changes incompatibly.
 FD_HOOKSPEC_VERSION: Final = 3
-#: The oldest version each seam's plugins may declare ("general": hook-only plugins); a seam
-#: whose contract changed incompatibly in version N has N here.
-OLDEST_COMPATIBLE: Final = {"scheduler": 2, "resource_manager": 2, "token_processor": 2, "connector": 3,
-                            "platform": 2, "general": 2}
-
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import pluggy
 
-from fd_core import hookspecs
+from fd_core import compat, hookspecs
 from fd_core.errors import PluginError, PluginLoadError, PluginNotFoundError, PluginVersionError
 
 log = logging.getLogger(__name__)
@@ -84,19 +84,17 @@ def _winner_key(record: PluginRecord) -> tuple[int, str, str]:
 
 
 def _check_version(record: PluginRecord, obj: Any) -> None:
+    """Refuse a plugin whose declared hookspec version its seam no longer loads; warn (once per
+    plugin) when it declares an older one that still loads (see ``fd_core.compat``)."""
     declared = getattr(obj, "fd_hookspec_version", None)
-    current = hookspecs.FD_HOOKSPEC_VERSION
-    oldest = hookspecs.OLDEST_COMPATIBLE[record.seam]
-    if isinstance(declared, int) and not isinstance(declared, bool) and oldest <= declared <= current:
-        return
-    what = "declares no fd_hookspec_version" if declared is None else (
-        f"was written for hookspec version {declared!r}")
-    speaks = f"version {current}" if oldest == current else f"versions {oldest} to {current}"
-    raise PluginVersionError(
-        record.label,
-        f"{what}; this core speaks {speaks} for {record.seam} plugins "
-        f"(set fd_hookspec_version = {current} once the plugin is ported)",
-    )
+    loadable = (isinstance(declared, int) and not isinstance(declared, bool)
+                and compat.oldest_loadable(record.seam) <= declared <= hookspecs.FD_HOOKSPEC_VERSION)
+    if not loadable:
+        raise PluginVersionError(record.label, compat.refusal(record.seam, declared))
+    note = compat.deprecation(record.seam, declared)
+    if note is not None:
+        record.reason = f"deprecated: {note}"
+        compat.warn_deprecated(f"plugin {record.label}", note)
 
 
 def _check_contract(record: PluginRecord, obj: Any) -> None:

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fd_core.compat import LOADS_UNTIL, warn_deprecated
 from fd_core.contracts.scheduler import Scheduler
-from fd_core.plugin_guard import GuardedHooks
 from fd_core.errors import QueueFullError
 from fd_core.outputs import RequestOutput
+from fd_core.plugin_guard import GuardedHooks
 from fd_core.request import FinishReason
 
 if TYPE_CHECKING:
@@ -126,11 +127,25 @@ class LocalScheduler(Scheduler):
         return fair_fifo(waiting)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse the two ways a subclass used to break this class silently (issue 13)."""
+        """Mend or refuse the two ways a subclass used to break this class silently.
+
+        A subclass overriding :meth:`admission_order` (as the docs of hookspec version 1 showed)
+        bypassed every ``fd_order_waiting`` hook. Until fd-engine 0.4.0 its override is taken as
+        its :meth:`default_order` (hooks answer first, then its order), with a deprecation
+        warning; a class that overrides both is refused: there is no telling which it meant.
+        """
         super().__init_subclass__(**kwargs)
         if "admission_order" in cls.__dict__:
-            raise TypeError(f"{cls.__module__}.{cls.__qualname__} overrides admission_order, which would bypass "
-                            "every fd_order_waiting hook; override default_order instead")
+            where = f"{cls.__module__}.{cls.__qualname__}"
+            if "default_order" in cls.__dict__:
+                raise TypeError(f"{where} overrides both admission_order and default_order; admission_order "
+                                "would bypass every fd_order_waiting hook: keep default_order only")
+            cls.default_order = cls.__dict__["admission_order"]  # type: ignore[method-assign]
+            delattr(cls, "admission_order")
+            warn_deprecated(f"scheduler class {where}", (
+                f"overrides admission_order, which bypassed every fd_order_waiting hook; it is used as "
+                f"default_order until fd-engine {LOADS_UNTIL} (hooks answer first): rename the method to "
+                "default_order"))
         model = cls.__dict__.get("settings_model")
         if model is not None and not issubclass(model, LocalSchedulerSettings):
             raise TypeError(f"{cls.__module__}.{cls.__qualname__}.settings_model must subclass "

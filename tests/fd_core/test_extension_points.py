@@ -10,6 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 import fd_core
+from fd_core.compat import FdDeprecationWarning
 from fd_core.config import load_config
 from fd_core.errors import ConfigError, QueueFullError
 from fd_core.hook_trace import HookTracer
@@ -29,11 +30,31 @@ class _Reverse:
         return list(reversed(waiting))
 
 
-def test_overriding_admission_order_is_refused_at_class_definition():
-    with pytest.raises(TypeError, match="overrides admission_order, which would bypass every fd_order_waiting hook; "
-                                        "override default_order instead"):
-        class Bad(LocalScheduler):   # noqa: F841
+def test_overriding_admission_order_still_works_as_default_order_with_a_deprecation_warning():
+    with pytest.warns(FdDeprecationWarning, match="overrides admission_order, which bypassed every fd_order_waiting "
+                                                  "hook; it is used as default_order until fd-engine 0.4.0"):
+        class Longest(LocalScheduler):   # written against hookspec version 1's docs
             def admission_order(self, waiting, now):
+                return sorted(waiting, key=lambda r: -r.num_prompt_tokens)
+
+    assert "admission_order" not in Longest.__dict__ and "default_order" in Longest.__dict__
+    requests = [Request(f"r{n}", [1] * n) for n in (1, 3, 2)]
+    plain = Longest(None, hooks=Registry.from_plugins({}).hooks, max_queue_size=8)
+    hooked = Longest(None, hooks=Registry.from_plugins({}, general=[_Reverse()]).hooks, max_queue_size=8)
+    for scheduler in (plain, hooked):
+        for request in requests:
+            scheduler.put_request(request)
+    assert [r.request_id for r in plain.get_requests(3, timeout=0)] == ["r3", "r2", "r1"]    # its own order
+    assert [r.request_id for r in hooked.get_requests(3, timeout=0)] == ["r2", "r3", "r1"]   # the hook first
+
+
+def test_overriding_both_orders_is_refused_at_class_definition():
+    with pytest.raises(TypeError, match="overrides both admission_order and default_order"):
+        class Both(LocalScheduler):   # noqa: F841
+            def admission_order(self, waiting, now):
+                return waiting
+
+            def default_order(self, waiting, now):
                 return waiting
 
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from fd_core.hookspecs import FD_HOOKSPEC_VERSION, OLDEST_COMPATIBLE
+from fd_core.compat import oldest_loadable
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from tests.conftest import run_fd_serve
 
 pytestmark = pytest.mark.usefixtures("demo_plugins")
@@ -46,7 +47,9 @@ def test_platforms_show_their_detection_reason():
     cpu = _row(table, "fd.platforms", "cpu", "fd-engine")
     assert "loaded — available: host CPU " in cpu and "usable cores" in cpu
     assert "loaded — unavailable: paddle was built without CUDA" in _row(table, "fd.platforms", "cuda", "fd-engine")
-    assert "loaded — unavailable: FD_DEMO_DEVICE is not 1" in _row(table, "fd.platforms", "demo", "fd-demo-plugin")
+    demo = _row(table, "fd.platforms", "demo", "fd-demo-plugin")   # written for hookspec version 2: deprecated
+    assert "loaded: deprecated: was written for hookspec version 2" in demo
+    assert demo.endswith("— unavailable: FD_DEMO_DEVICE is not 1")
 
 
 def test_broken_plugin_is_listed_as_failed_with_its_error():
@@ -67,7 +70,7 @@ def test_name_clash_is_shadowed_with_a_deterministic_winner():
 
 def test_hookspec_version_mismatch_is_refused_naming_the_plugin(tmp_path):
     table = run_fd_serve("plugins", "list").stdout
-    oldest = OLDEST_COMPATIBLE["scheduler"]
+    oldest = oldest_loadable("scheduler")
     assert (f"failed: was written for hookspec version 0; this core speaks versions {oldest} to "
             f"{FD_HOOKSPEC_VERSION} for scheduler plugins") in \
         _row(table, "fd.schedulers", "old", "fd-other-plugins")
