@@ -303,7 +303,14 @@ class Registry:
             hook = getattr(self.plugin_manager.hook, hook_name)
             for impl in hook.get_hookimpls():
                 source = by_plugin.get(impl.plugin)
-                for cls in impl.function() or ():
+                try:
+                    contributed = list(impl.function() or ())
+                except Exception as exc:  # a broken plugin fails to load, like one whose import raises
+                    if source is not None:
+                        reason = f"{hook_name} raised {type(exc).__name__}: {exc}"
+                        self._fail(source, reason, PluginLoadError(source.label, reason), raise_errors=self.strict)
+                    continue
+                for cls in contributed:
                     record = PluginRecord(
                         seam, cls.name, f"{cls.__module__}:{cls.__qualname__}",
                         source.dist if source else "?", source.version if source else "?")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,27 @@ def demo_plugins():
          str(PLUGIN_PACKAGES / "fd_demo_plugin"), str(PLUGIN_PACKAGES / "fd_other_plugins"))
     yield
     _pip("uninstall", "-y", "fd-demo-plugin", "fd-other-plugins")
+
+
+@pytest.fixture
+def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``install_plugin(name, body)``: a general plugin as a real distribution (the module ``name``
+    with ``body``, and a ``.dist-info`` folder with its ``fd.plugins`` entry point) on ``sys.path``,
+    found by ``importlib.metadata`` as a pip-installed one is, without pip's minutes. Give each
+    test its own names: Python keeps an imported module for the life of the process."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+
+    def install(name: str, body: str) -> None:
+        (site / f"{name}.py").write_text("import fd_core\nfd_hookspec_version = fd_core.FD_HOOKSPEC_VERSION\n"
+                                         + textwrap.dedent(body))
+        dist = site / f"{name}-0.1.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(f"[fd.plugins]\n{name} = {name}\n")
+
+    return install
 
 
 def run_fd_serve(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,

@@ -188,3 +188,29 @@ def test_check_asks_the_platform_what_start_up_will():
     with pytest.raises(ConfigError, match=r"platform.name: plugin threadless \(.*ThreadlessCpu\): "
                                           r"num_threads\(\) raised RuntimeError: no threads here"):
         resolve(load_config(platform={"name": "threadless"}), registry)
+
+
+def test_seam_classes_registered_through_a_hook_load_and_a_raising_registration_fails_its_plugin(install_plugin):
+    install_plugin("contributes_scheduler", """
+        from fd_plugins.schedulers.local import LocalScheduler
+
+        class Contributed(LocalScheduler):
+            name = "contributed"
+
+        @fd_core.hookimpl
+        def fd_register_schedulers():
+            return [Contributed]
+    """)
+    install_plugin("registration_breaker", """
+        @fd_core.hookimpl
+        def fd_register_platforms():
+            raise RuntimeError("cannot list my platforms")
+    """)
+    registry = Registry.discover(hooks=["contributes_scheduler", "registration_breaker"])
+    (contributed,) = [r for r in registry.records("scheduler") if r.name == "contributed"]
+    assert contributed.status == "loaded" and contributed.dist == "contributes_scheduler"
+    (broken,) = [r for r in registry.records("general") if r.name == "registration_breaker"]
+    assert broken.status == "failed"
+    assert broken.reason == "fd_register_platforms raised RuntimeError: cannot list my platforms"
+    with pytest.raises(fd_core.PluginLoadError, match="registration_breaker.*fd_register_platforms raised"):
+        Registry.discover(strict=True, hooks=["registration_breaker"])

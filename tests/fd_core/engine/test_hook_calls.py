@@ -1,8 +1,7 @@
 """Every hook call goes through one guard: a raising implementation loses no output, hides no
 other implementation and is reported once; every way of running the engine starts and stops it.
 
-The plugins here are real distributions: a module and a ``.dist-info`` folder (metadata and
-``entry_points.txt``) on ``sys.path``, found by ``importlib.metadata`` as a pip-installed one is.
+The plugins here are real distributions (the ``install_plugin`` fixture of tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,31 +20,12 @@ from fd_core.request import FinishReason, SamplingParams
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def install_hook_plugin(site: Path, name: str, body: str) -> None:
-    """Write a general plugin ``name`` (entry point ``fd.plugins``) whose module is ``body``."""
-    site.mkdir(exist_ok=True)
-    (site / f"{name}.py").write_text("import fd_core\nfd_hookspec_version = fd_core.FD_HOOKSPEC_VERSION\n"
-                                     + textwrap.dedent(body))
-    dist = site / f"{name}-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[fd.plugins]\n{name} = {name}\n")
-
-
-@pytest.fixture
-def site(tmp_path, monkeypatch):
-    folder = tmp_path / "site"
-    folder.mkdir()
-    monkeypatch.syspath_prepend(str(folder))
-    return folder
-
-
 def _llm(model: str, hooks: list[str]) -> LLM:
     return LLM(model={"source": model}, cache={"num_blocks": 64}, plugins={"hooks": hooks})
 
 
-def test_a_raising_step_hook_loses_no_final_output(site, tiny_model_dir, caplog):
-    install_hook_plugin(site, "step_breaker", """
+def test_a_raising_step_hook_loses_no_final_output(install_plugin, tiny_model_dir, caplog):
+    install_plugin("step_breaker", """
         @fd_core.hookimpl
         def fd_step_finished(plan, result, stats):
             raise RuntimeError("step hook bug")
@@ -63,16 +42,16 @@ def test_a_raising_step_hook_loses_no_final_output(site, tiny_model_dir, caplog)
     assert "step_breaker" in reports[0] and "fd_step_finished" in reports[0]
 
 
-def test_a_raising_finish_hook_does_not_stop_the_others(site, tiny_model_dir, tmp_path):
+def test_a_raising_finish_hook_does_not_stop_the_others(install_plugin, tiny_model_dir, tmp_path):
     seen = tmp_path / "seen.jsonl"
-    install_hook_plugin(site, "finish_recorder", f"""
+    install_plugin("finish_recorder", f"""
         import json
         @fd_core.hookimpl
         def fd_request_finished(request, output):
             with open({str(seen)!r}, "a") as f:
                 f.write(json.dumps([request.request_id, output.finish_reason.value]) + "\\n")
     """)
-    install_hook_plugin(site, "finish_breaker", """
+    install_plugin("finish_breaker", """
         @fd_core.hookimpl(tryfirst=True)
         def fd_request_finished(request, output):
             raise RuntimeError("finish hook bug")
@@ -83,10 +62,10 @@ def test_a_raising_finish_hook_does_not_stop_the_others(site, tiny_model_dir, tm
     assert sorted(recorded) == sorted([r.request_id, "length"] for r in results)
 
 
-def _lifecycle_plugin(site: Path, name: str, log_file: Path) -> None:
+def _lifecycle_plugin(install_plugin, name: str, log_file: Path) -> None:
     """A plugin writing "started" / "stopped" lines to ``log_file`` (a module name per test:
     Python keeps an imported module for the life of the process)."""
-    install_hook_plugin(site, name, f"""
+    install_plugin(name, f"""
         @fd_core.hookimpl
         def fd_engine_started(config):
             open({str(log_file)!r}, "a").write("started\\n")
@@ -97,9 +76,9 @@ def _lifecycle_plugin(site: Path, name: str, log_file: Path) -> None:
     """)
 
 
-def test_the_offline_llm_starts_and_stops_the_engine_once(site, tiny_model_dir, tmp_path):
+def test_the_offline_llm_starts_and_stops_the_engine_once(install_plugin, tiny_model_dir, tmp_path):
     events = tmp_path / "events"
-    _lifecycle_plugin(site, "lifecycle_offline", events)
+    _lifecycle_plugin(install_plugin, "lifecycle_offline", events)
     llm = _llm(tiny_model_dir, ["lifecycle_offline"])
     assert events.read_text().split() == ["started"]
     llm.generate([[5, 6, 7]], PARAMS)
@@ -110,9 +89,9 @@ def test_the_offline_llm_starts_and_stops_the_engine_once(site, tiny_model_dir, 
     assert events.read_text().split() == ["started", "stopped"]
 
 
-def test_an_offline_llm_that_is_dropped_still_stops_the_engine(site, tiny_model_dir, tmp_path):
+def test_an_offline_llm_that_is_dropped_still_stops_the_engine(install_plugin, tiny_model_dir, tmp_path):
     events = tmp_path / "events"
-    _lifecycle_plugin(site, "lifecycle_dropped", events)
+    _lifecycle_plugin(install_plugin, "lifecycle_dropped", events)
     llm = _llm(tiny_model_dir, ["lifecycle_dropped"])
     llm.generate([[5, 6, 7]], PARAMS)
     del llm
@@ -122,9 +101,9 @@ def test_an_offline_llm_that_is_dropped_still_stops_the_engine(site, tiny_model_
     assert events.read_text().split() == ["started", "stopped"]
 
 
-def test_async_llm_starts_and_stops_the_engine_once(site, tiny_model_dir, tmp_path):
+def test_async_llm_starts_and_stops_the_engine_once(install_plugin, tiny_model_dir, tmp_path):
     events = tmp_path / "events"
-    _lifecycle_plugin(site, "lifecycle_async", events)
+    _lifecycle_plugin(install_plugin, "lifecycle_async", events)
 
     async def main():
         async with AsyncLLM.start(model={"source": tiny_model_dir}, cache={"num_blocks": 64},
@@ -137,15 +116,15 @@ def test_async_llm_starts_and_stops_the_engine_once(site, tiny_model_dir, tmp_pa
     assert events.read_text().split() == ["started", "stopped"]
 
 
-def test_an_added_hook_refuses_on_purpose_and_later_ones_are_not_told(site, tiny_model_dir, tmp_path):
+def test_an_added_hook_refuses_on_purpose_and_later_ones_are_not_told(install_plugin, tiny_model_dir, tmp_path):
     told = tmp_path / "told"
-    install_hook_plugin(site, "gatekeeper", """
+    install_plugin("gatekeeper", """
         @fd_core.hookimpl(tryfirst=True)
         def fd_request_added(request):
             if len(request.prompt_token_ids) > 2:
                 raise ValueError("prompts over 2 tokens are not allowed here")
     """)
-    install_hook_plugin(site, "added_recorder", f"""
+    install_plugin("added_recorder", f"""
         @fd_core.hookimpl
         def fd_request_added(request):
             open({str(told)!r}, "a").write(str(len(request.prompt_token_ids)) + "\\n")
