@@ -133,11 +133,13 @@ def _load(args: argparse.Namespace, rest: list[str]) -> FdConfig:
 
 
 def _check(config: FdConfig) -> int:
+    from fd_core.precision import mode_of
     from fd_core.selection import resolve
 
     selection = resolve(config)
     resolved = config.public_dict()
     resolved["cache"]["enable_prefix_caching"] = selection.enable_prefix_caching
+    resolved["model"]["precision"] = mode_of(config.model)
     resolved["selected"] = selection.summary()
     resolved["selected"]["platform_reason"] = selection.platform_reason
     for seam, plugin in selection.plugins.items():

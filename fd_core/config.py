@@ -22,7 +22,6 @@ from pydantic import (
     PrivateAttr,
     SecretStr,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -53,68 +52,48 @@ class ModelSection(_Section):
     served_name: str | None = Field(None, description="Name clients use; defaults to `source`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Compute dtype; the platform must support it (cpu: float32).")
+    precision: Literal["float32", "bf16-weights", "bf16", "int8", "gguf-blocks", "gguf-blocks-int8"] | None = Field(
+        None, description=(
+            "Named precision mode: what the weights, the linear and attention inputs and (under `cache.dtype "
+            "= \"auto\"`) the KV cache are stored and rounded in; docs/precision.md has the table (what each "
+            "stores, how exact it is, what it needs). Unset: the mode the four keys below spell (all float32 "
+            "by default). Setting it sets them; a key set beside it must agree with it."))
     quantized_weights: Literal["dequantize", "keep"] = Field(
         "dequantize", description=(
             "A GGUF's Q8_0 / Q4_0 / Q4_1 matrices: `dequantize` expands them to float32 at load; `keep` "
-            "leaves the projections and the head in their blocks, widened in registers inside the matmul "
-            "(4-7x less weight memory and traffic: a decode step of few rows is bound by it). The weights "
-            "are the same values either way; only the order of the matmul's sums differs. `keep` needs a "
-            "GGUF model, `model.dtype` float32 and the C++ linear kernel."))
+            "leaves the projections and the head in their blocks (the gguf-blocks modes)."))
     linear_weights: Literal["float32", "bfloat16", "int8"] = Field(
         "float32", description=(
-            "Storage of a float32 model's projection and head weights. `bfloat16` rounds them to bfloat16 "
-            "(nearest even): the C++ linear kernel keeps them in 16 bits and widens them inside the matmul, "
-            "so a decode step reads half the bytes; inputs and sums stay float32, and outputs are close to, "
-            "not identical with, float32's. `int8` (with `linear_inputs = \"int8\"`) quantizes each output "
-            "channel to int8 codes within [-64, 64] (one scale each) and each input row to uint8 (a scale and a "
-            "zero point), multiplied by MKL's integer GEMM with exact integer sums: about twice float32's rate "
-            "on an AVX2 CPU and a quarter of the weight bytes, the least exact mode (top-1 agreement with "
-            "float32 ~93% on SmolLM2-135M's own continuations). Weights kept in GGUF blocks stay in their "
-            "blocks; the portable kernels multiply the quantized values in float32."))
+            "Storage of a float32 model's projection and head weights: `bfloat16` rounds them (the "
+            "bf16-weights and bf16 modes), `int8` quantizes each output channel to codes within [-64, 64] "
+            "with one scale (the int8 mode). Weights kept in GGUF blocks stay in their blocks."))
     linear_inputs: Literal["float32", "bfloat16", "int8"] = Field(
-        "float32", validate_default=True, description=(
-            "With `linear_weights = \"bfloat16\"`: `bfloat16` rounds each projection's and the head's input "
-            "to bfloat16 as well, so the matmul multiplies bfloat16 pairs (sums stay float32): on AMX tiles "
-            "where the CPU declares `amx_bf16` (several times the float32 rate), elsewhere the same rounded "
-            "values multiplied in float32. Outputs drift further from float32's than with rounded weights alone. "
-            "With `quantized_weights = \"keep\"`: `int8` quantizes the input of each matrix kept in GGUF blocks "
-            "to int8 in blocks of 32 (a scale per block, as llama.cpp does), and steps of fewer than 128 rows "
-            "multiply the blocks in integers (vpdpbusd with avx512_vnni or avx_vnni, vpmaddubsw on AVX2): a "
-            "third of the instructions of widening the weights, the fastest decode of few rows. Matrices the "
-            "GGUF does not hold in Q8_0 / Q4_0 / Q4_1 blocks keep float32 inputs. With `linear_weights = "
-            "\"int8\"`: `int8` quantizes each input row to uint8 for the integer GEMM (required there)."))
+        "float32", description=(
+            "Rounding of the projections' and head's inputs: `bfloat16` (with bfloat16 weights: the bf16 "
+            "mode), `int8` (blocks of 32 for matrices kept in GGUF blocks, the gguf-blocks-int8 mode; uint8 "
+            "rows for int8 weights, the int8 mode)."))
     attention_inputs: Literal["float32", "bfloat16"] = Field(
         "float32", description=(
-            "With `cache.dtype = \"bfloat16\"` or `\"int8\"`: `bfloat16` rounds attention's queries to bfloat16 "
-            "as well, so the query-key products multiply bfloat16 pairs (sums and softmax stay float32): on AMX "
-            "tiles where the CPU declares `amx_bf16` (an int8 cache: prefill chunks, their codes widened to "
-            "bfloat16), elsewhere the same rounded values multiplied in float32. On AMX, a prefill chunk's "
-            "softmax weights are rounded too, for the weighted sum of the values on tiles."))
+            "Rounding of attention's queries: `bfloat16` multiplies them with a bfloat16 or int8 KV cache "
+            "as bfloat16 pairs (sums and softmax stay float32; the bf16 mode)."))
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt + output; defaults to min(model limit, 2048).")
     seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")
 
-    @field_validator("linear_weights")
-    @classmethod
-    def _rounding_applies_to_float32(cls, value: str, info: ValidationInfo) -> str:
-        if value != "float32" and info.data.get("dtype", "float32") != "float32":
-            raise ValueError(f"{value!r} rounds a float32 model's weights; model.dtype is {info.data['dtype']!r}")
-        return value
+    @model_validator(mode="after")
+    def _apply_precision_mode(self) -> ModelSection:
+        """Give the keys ``precision`` sets its values where they hold their defaults (the sources
+        are merged over the defaults, so "left at the default" is all that can be told apart); a
+        key set to another value keeps it, and ``fd_core.precision.precision_problems`` reports
+        the disagreement."""
+        from fd_core.precision import MODE_KEYS, MODES
 
-    @field_validator("linear_inputs")
-    @classmethod
-    def _rounded_inputs_meet_their_weights(cls, value: str, info: ValidationInfo) -> str:
-        weights = info.data.get("linear_weights")
-        if weights == "int8" and value != "int8":
-            raise ValueError(f"int8 weights are multiplied with int8 inputs: set model.linear_inputs = \"int8\" "
-                             f"(not {value!r})")
-        if value == "bfloat16" and weights != "bfloat16":
-            raise ValueError("'bfloat16' inputs are multiplied with bfloat16 weights: set "
-                             "model.linear_weights = \"bfloat16\" too")
-        if value == "int8" and info.data.get("quantized_weights") != "keep" and weights != "int8":
-            raise ValueError("'int8' inputs are multiplied with weights kept in GGUF blocks or with int8 weights: "
-                             "set model.quantized_weights = \"keep\" or model.linear_weights = \"int8\" too")
-        return value
+        if self.precision is not None:
+            mode = MODES[self.precision]
+            for key in MODE_KEYS:
+                if getattr(self, key) == type(self).model_fields[key].default:
+                    self.__dict__[key] = mode.setting(key)   # not an assignment: no re-validation
+        return self
 
 
 class CacheSection(_Section):
@@ -122,17 +101,17 @@ class CacheSection(_Section):
 
     block_size: int = Field(64, gt=0, description=(
         "Tokens per KV block (also the prefix cache's unit). Attention reads a row's blocks one by one, "
-        "so longer blocks are longer contiguous reads: 64 rather than 16 made the shared bench's w256 "
-        "decode steps ~7 % faster on 2 cores. The prefix cache reuses whole blocks before a prompt's last "
-        "token only, so smaller blocks reuse more of short shared prefixes (a 128-token prompt: 112 tokens "
-        "at 16, 64 at 64)."))
+        "so longer blocks are longer contiguous reads; the prefix cache reuses whole blocks before a "
+        "prompt's last token only, so smaller blocks reuse more of short shared prefixes (a 128-token "
+        "prompt: 112 tokens at 16, 64 at 64)."))
     dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
         "auto", description=(
-            "Storage dtype of the KV cache; `auto` is `model.dtype`. `bfloat16` with a float32 model halves "
-            "the cache's memory and the attention's memory traffic (math stays float32; outputs are close "
-            "to, not identical with, the float32 cache's). `int8` stores each row of a head as int8 codes "
-            "and a float32 scale (its largest magnitude / 127): ~28% of float32's bytes at head size 64, "
-            "math still float32; the least exact cache."))
+            "Storage dtype of the KV cache; `auto` is what `model.precision` stores (bfloat16 under `bf16`), "
+            "else `model.dtype`. `bfloat16` with a float32 model halves the cache's bytes (math stays "
+            "float32; outputs are close to, not identical with, the float32 cache's). `int8` stores each "
+            "row of a head as int8 codes and a float32 scale (its largest magnitude / 127): ~28% of "
+            "float32's bytes at head size 64; the least exact cache. Any dtype other than the model's needs "
+            "the C++ kernels."))
     memory_utilization: float | None = Field(
         None, gt=0, le=1, description=(
             "Share of device memory the engine may use (weights + KV). Unset: 0.3, and a KV pool in "
@@ -158,11 +137,6 @@ class CacheSection(_Section):
             raise ValueError(f"{' and '.join('cache.' + key for key in given)} each size the KV pool: set one "
                              f"(`--cache.{given[0]} null` unsets a value from a file)")
         return self
-
-
-def kv_cache_dtype(config: FdConfig) -> str:
-    """The KV cache's storage dtype: ``cache.dtype``, or ``model.dtype`` for ``auto``."""
-    return config.model.dtype if config.cache.dtype == "auto" else config.cache.dtype
 
 
 class EngineSection(_Section):

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from fd_core.config import config_errors, config_problems_from
 from fd_core.errors import ConfigError, ModelLoadError, PluginError, PluginNotFoundError
 from fd_core.paddle_import import import_paddle
+from fd_core.precision import precision_problems
 from fd_core.registry import SEAM_GROUPS, Registry
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 #: Connector name meaning "not a split deployment".
 NO_CONNECTOR = "none"
-#: Parallel sizes this build runs (issue 9: larger ones were accepted and failed later).
+#: Parallel sizes this build runs (a larger one must fail here, not after loading the model).
 RUNNABLE_PARALLEL_SIZE = 1
 
 Problems = list[tuple[str, str]]
@@ -98,6 +99,7 @@ def resolve(config: FdConfig, registry: Registry | None = None, *, apply_worker_
     if "platform" in selection.plugins:
         problems += _check_platform_answers(selection)
         problems += _check_dtype(config, selection)
+    problems += precision_problems(config, selection.platform)
     problems += _check_splitwise(config, selection)
     if "resource_manager" in selection.plugins:
         problems += _resolve_prefix_caching(config, selection)

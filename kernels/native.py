@@ -87,6 +87,11 @@ def paddle_libs() -> Path:
     return Path(paddle.__file__).parent / "libs"
 
 
+def find_compiler() -> str | None:
+    """The C++ compiler the kernels are built with (``$CXX``, else ``c++`` on PATH), or None."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def load_native(capabilities: Collection[str]) -> ModuleType:
     """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``, ``fd_swiglu``,
     ``fd_pack_weight``, ``fd_packed_linear``, ``fd_quant_linear``, ``fd_pack_bf16``, ``fd_bf16_linear``,
@@ -100,7 +105,7 @@ def load_native(capabilities: Collection[str]) -> ModuleType:
         return _loaded[key]
     if _loaded:   # Paddle registers an op name once per process
         raise NativeKernelsUnavailable(f"this process already loaded the C++ kernels built as {next(iter(_loaded))}")
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    compiler = find_compiler()
     if compiler is None:
         raise NativeKernelsUnavailable("no C++ compiler on PATH (install g++ to build the C++ kernels)")
     folder.mkdir(parents=True, exist_ok=True)

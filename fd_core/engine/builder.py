@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from fd_core.contracts.resource_manager import KVLimits
 from fd_core.errors import ConfigError
+from fd_core.precision import kernel_problems, kv_cache_dtype
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
@@ -61,7 +62,7 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     ..."), so that a process watching this one can say where start-up failed, even when a
     native kernel kills the process.
     """
-    from fd_core.config import kv_cache_dtype
+    from fd_core.config import config_errors
     from fd_core.engine.core import EngineCore
     from fd_core.model.loader import load_model
     from fd_core.selection import resolve
@@ -77,9 +78,9 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     process_note = platform.prepare_process()
     report("choosing kernels (the C++ kernels are built on first use, then cached)")
     kernels = choose_kernels(platform, selection.platform_reason, worker_env, process_note)
-    _check_kv_cache_dtype(config, kernels)
-    _check_attention_inputs(config)
-    _check_quantized_weights(config, kernels)
+    problems = kernel_problems(config, kernels)   # a build failure --check could not foresee
+    if problems:
+        raise config_errors(problems)
 
     stage = f"loading the model {config.model.source!r}"
     report(stage)
@@ -144,43 +145,6 @@ def choose_kernels(platform: Platform, platform_reason: str, worker_env: dict[st
     return kernels
 
 
-def _check_kv_cache_dtype(config: FdConfig, kernels: KernelSet) -> None:
-    """A KV cache stored in another dtype than the model computes in needs the C++ kernels (the
-    reference kernels' scatter has no bfloat16 kernel on CPU)."""
-    from fd_core.config import kv_cache_dtype
-
-    stored = kv_cache_dtype(config)
-    if stored != config.model.dtype and kernels.reads_gather_inputs:
-        raise ConfigError("cache.dtype", f"{stored!r} with model.dtype {config.model.dtype!r} needs the C++ "
-                                         f"attention and RoPE + KV write kernels; here: {kernels.describe()}")
-
-
-def _check_attention_inputs(config: FdConfig) -> None:
-    """bfloat16 queries are multiplied with a bfloat16 (or int8, widened to bfloat16) cache."""
-    from fd_core.config import kv_cache_dtype
-
-    stored = kv_cache_dtype(config)
-    if config.model.attention_inputs == "bfloat16" and stored not in ("bfloat16", "int8"):
-        raise ConfigError("model.attention_inputs", f"'bfloat16' queries are multiplied with a bfloat16 or int8 "
-                                                    f"cache; the cache stores {stored!r}: set cache.dtype = "
-                                                    f"\"bfloat16\" too")
-
-
-def _check_quantized_weights(config: FdConfig, kernels: KernelSet) -> None:
-    """Weights kept in GGUF blocks need a GGUF, a float32 model and the C++ linear kernel."""
-    from fd_core.model.loader import model_source_kind
-
-    if config.model.quantized_weights != "keep":
-        return
-    if model_source_kind(config.model.source) == "folder":
-        raise ConfigError("model.quantized_weights", f"'keep' reads a GGUF's quantized blocks; "
-                                                     f"{config.model.source!r} is a Hugging Face folder")
-    if config.model.dtype != "float32":
-        raise ConfigError("model.quantized_weights", f"'keep' needs model.dtype 'float32', not {config.model.dtype!r}")
-    if kernels.chosen["linear"].name == "portable":
-        raise ConfigError("model.quantized_weights", f"'keep' needs the C++ linear kernel; here: {kernels.describe()}")
-
-
 def _max_model_len(config: FdConfig, arch: LlamaArchConfig) -> int:
     wanted = config.model.max_model_len
     if wanted is None:
@@ -239,7 +203,6 @@ def plan_kv_pool(config: FdConfig, arch: LlamaArchConfig, platform: Platform, *,
     :data:`HOST_DEFAULT_KV_CAP_BYTES` (never below one full-length request): RAM is shared with
     everything else on the machine, and most deployments of a small model need far less.
     """
-    from fd_core.config import kv_cache_dtype
     from fd_core.runner.kv_cache import kv_cache_bytes_per_block
 
     block_size = config.cache.block_size

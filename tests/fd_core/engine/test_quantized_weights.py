@@ -150,11 +150,6 @@ def test_int8_inputs_run_fused_equal_the_op_by_op_layer_and_free_every_block(tin
     assert _all_blocks_free(llm)
 
 
-def test_int8_inputs_without_kept_blocks_name_the_key(tiny_gguf) -> None:
-    with pytest.raises(ConfigError, match=r"model\.linear_inputs.*'int8' inputs are multiplied with weights kept"):
-        load_config(model={"source": tiny_gguf, "linear_inputs": "int8"})
-
-
 def test_int8_linears_run_op_by_op_answer_alike_and_free_every_block(tiny_model_dir) -> None:
     _needs_cpp_kernels()
     llm = _llm(tiny_model_dir, "dequantize", linear_weights="int8", linear_inputs="int8", enable_prefix_caching=False)
@@ -169,35 +164,9 @@ def test_int8_linears_run_op_by_op_answer_alike_and_free_every_block(tiny_model_
     assert _all_blocks_free(llm)
 
 
-@pytest.mark.parametrize(("model", "key", "message"), [
-    ({"linear_weights": "int8"}, "model.linear_inputs", "int8 weights are multiplied with int8 inputs"),
-    ({"linear_weights": "int8", "linear_inputs": "bfloat16"}, "model.linear_inputs", "not 'bfloat16'"),
-    ({"dtype": "bfloat16", "linear_weights": "int8", "linear_inputs": "int8"}, "model.linear_weights",
-     "'int8' rounds a float32 model's weights"),
-])
-def test_int8_weights_outside_their_pairing_name_the_key(tiny_model_dir, model: dict, key: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message) as err:
-        load_config(model={"source": tiny_model_dir, **model})
-    assert key in str(err.value)
-
-
 def test_float32_layers_run_op_by_op(tiny_gguf) -> None:
     _needs_cpp_kernels()
     assert all(layer.fused is None for layer in _llm(tiny_gguf, "dequantize").engine.runner.model.layers)
-
-
-def test_keep_with_a_hugging_face_folder_names_the_key(tiny_model_dir) -> None:
-    config = load_config(model={"source": tiny_model_dir, "quantized_weights": "keep"}, cache={"num_blocks": 64})
-    with pytest.raises(ConfigError, match=r"^model\.quantized_weights: 'keep' reads a GGUF's quantized blocks") as err:
-        build_engine(config)
-    assert err.value.key == "model.quantized_weights"
-
-
-def test_keep_with_the_portable_kernels_names_the_key(tiny_gguf) -> None:
-    config = load_config(model={"source": tiny_gguf, "quantized_weights": "keep"}, cache={"num_blocks": 64},
-                         platform={"name": "cpu", "options": {"kernels": "portable"}})
-    with pytest.raises(ConfigError, match=r"^model\.quantized_weights: 'keep' needs the C\+\+ linear kernel"):
-        build_engine(config)
 
 
 def test_the_portable_kernels_run_block_quantized_weights_as_float32(tiny_gguf) -> None:
