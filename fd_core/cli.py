@@ -16,7 +16,6 @@ import sys
 from typing import TYPE_CHECKING
 
 from fd_core.cli_usage import (
-    USAGE_EXIT,
     UsageError,
     check_config_flags,
     check_router_flags,
@@ -28,6 +27,7 @@ from fd_core.cli_usage import (
     router_help_text,
 )
 from fd_core.errors import FdError
+from fd_core.exit_codes import ExitCode
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from fd_core.router.config import RouterConfig
     from fd_core.testing.conformance import SeamReport
 
-#: Exit status of ``plugins check`` when a check failed (usage errors exit with USAGE_EXIT).
-CHECK_FAILED_EXIT = 1
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fd-serve``; returns the process exit code."""
@@ -44,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(list(sys.argv[1:] if argv is None else argv))
     except BrokenPipeError:  # ``fd-serve --help | head``: the reader left; that is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return ExitCode.OK
 
 
 def _run(argv: list[str]) -> int:
@@ -59,14 +57,14 @@ def _run(argv: list[str]) -> int:
         args, rest = own_flags_parser().parse_known_args(argv)
         if args.help:
             print(help_text())
-            return 0
+            return ExitCode.OK
         if args.version:
             print(f"fd-serve (fd-engine) {_version()}")
-            return 0
+            return ExitCode.OK
         check_config_flags(rest)
     except UsageError as exc:
         print(f"fd-serve: error: {exc} (see fd-serve --help)", file=sys.stderr)
-        return USAGE_EXIT
+        return ExitCode.USAGE
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = _load(args, rest)
@@ -78,7 +76,7 @@ def _run(argv: list[str]) -> int:
     except FdError as exc:
         for line in str(exc).splitlines():
             print(f"fd-serve: error: {line}", file=sys.stderr)
-        return USAGE_EXIT
+        return ExitCode.USAGE
 
 
 def _router(argv: list[str]) -> int:
@@ -87,22 +85,22 @@ def _router(argv: list[str]) -> int:
         args, rest = router_flags_parser().parse_known_args(argv)
         if args.help:
             print(router_help_text())
-            return 0
+            return ExitCode.OK
         check_router_flags(rest)
     except UsageError as exc:
         print(f"fd-serve: error: {exc} (see fd-serve router --help)", file=sys.stderr)
-        return USAGE_EXIT
+        return ExitCode.USAGE
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = _load_router(args, rest)
     except FdError as exc:
         for line in str(exc).splitlines():
             print(f"fd-serve: error: {line}", file=sys.stderr)
-        return USAGE_EXIT
+        return ExitCode.USAGE
     if args.check:
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         print("config OK", file=sys.stderr)
-        return 0
+        return ExitCode.OK
     from fd_core.router.main import serve_router
 
     return serve_router(config)
@@ -147,7 +145,7 @@ def _check(config: FdConfig) -> int:
             resolved[seam]["options"] = plugin.settings.model_dump(mode="json")
     print(json.dumps(resolved, indent=2))
     print("config OK", file=sys.stderr)
-    return 0
+    return ExitCode.OK
 
 
 def _plugins_list(config: FdConfig) -> int:
@@ -163,8 +161,8 @@ def _plugins_list(config: FdConfig) -> int:
     if failures and config.plugins.strict:
         names = ", ".join(record.label for record in failures)
         print(f"fd-serve: error: strict mode: plugins failed to load: {names}", file=sys.stderr)
-        return 1
-    return 0
+        return ExitCode.FAILED
+    return ExitCode.OK
 
 
 def _plugins_check(argv: list[str]) -> int:
@@ -178,7 +176,7 @@ def _plugins_check(argv: list[str]) -> int:
         args, rest = plugins_check_parser().parse_known_args(argv)
         if args.help:
             print(plugins_check_help_text())
-            return 0
+            return ExitCode.OK
         if args.name is None:
             raise UsageError("plugins check needs the plugin to check: GROUP/NAME or SEAM/NAME, "
                              "e.g. fd.schedulers/local or scheduler/local")
@@ -187,7 +185,7 @@ def _plugins_check(argv: list[str]) -> int:
         skip = [part for item in args.skip for part in item.split(",") if part]
     except UsageError as exc:
         print(f"fd-serve: error: {exc} (see fd-serve plugins check --help)", file=sys.stderr)
-        return USAGE_EXIT
+        return ExitCode.USAGE
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     from fd_core.errors import PluginLoadError, PluginVersionError
 
@@ -198,13 +196,13 @@ def _plugins_check(argv: list[str]) -> int:
         report = _run_kit(seam, cls, options, skip, record)
     except (PluginLoadError, PluginVersionError) as exc:
         print(f"fd-serve: error: {exc}", file=sys.stderr)
-        return CHECK_FAILED_EXIT
+        return ExitCode.FAILED
     except (FdError, UsageError) as exc:
         for line in str(exc).splitlines():
             print(f"fd-serve: error: {line}", file=sys.stderr)
-        return USAGE_EXIT
+        return ExitCode.USAGE
     print(format_check_table(report, title=record.label))
-    return 0 if report.ok else CHECK_FAILED_EXIT
+    return ExitCode.OK if report.ok else ExitCode.FAILED
 
 
 def parse_plugin_name(text: str) -> tuple[str, str]:

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Final, NoReturn
 if TYPE_CHECKING:
     from fd_core.config_reference import KeyDoc
 
-#: Exit code of every user mistake (the argparse convention).
-USAGE_EXIT: Final = 2
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 USAGE: Final = """\
 usage: fd-serve [--config FILE] [--check] [--strict] [--log-level LEVEL] [--SECTION.KEY VALUE ...]

@@ -20,12 +20,13 @@ import logging
 import warnings
 from typing import Final
 
-from fd_core.hookspecs import FD_HOOKSPEC_VERSION, SEAM_REGISTRATION_HOOKS
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
+from fd_core.seams import SEAMS
 
 log = logging.getLogger(__name__)
 
 #: Every kind of plugin a version applies to: the seams, and "general" (hook implementations).
-KINDS: Final = (*SEAM_REGISTRATION_HOOKS, "general")
+KINDS: Final = (*(seam.name for seam in SEAMS), "general")
 
 #: Version -> kind -> the incompatible change that version made to that kind's contract.
 BREAKING: Final[dict[int, dict[str, str]]] = {

@@ -18,9 +18,10 @@ from typing import Any
 
 import pluggy
 
+from fd_core.seams import SEAMS
+
 #: Registration hooks run once, at discovery, before tracing can start: not traced.
-_NOT_TRACED = frozenset({"fd_register_schedulers", "fd_register_resource_managers", "fd_register_token_processors",
-                         "fd_register_connectors", "fd_register_platforms"})
+_NOT_TRACED = frozenset(seam.registration_hook for seam in SEAMS)
 
 
 class HookTracer:

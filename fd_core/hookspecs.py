@@ -123,13 +123,3 @@ def fd_request_finished(request: Request, output: RequestOutput) -> None:
 @hookspec
 def fd_step_finished(plan: StepPlan, result: StepResult, stats: dict[str, Any]) -> None:
     """One engine step completed; ``stats`` holds the resource manager's counters. Added in v1."""
-
-
-#: Seam name -> registration hook name, used by the registry.
-SEAM_REGISTRATION_HOOKS: Final = {
-    "scheduler": "fd_register_schedulers",
-    "resource_manager": "fd_register_resource_managers",
-    "token_processor": "fd_register_token_processors",
-    "connector": "fd_register_connectors",
-    "platform": "fd_register_platforms",
-}

@@ -25,29 +25,14 @@ import pluggy
 
 from fd_core import compat, hookspecs
 from fd_core.errors import PluginError, PluginLoadError, PluginNotFoundError, PluginVersionError
+from fd_core.seams import BY_NAME, GENERAL_GROUP, SEAMS
 
 log = logging.getLogger(__name__)
 
-#: Seam name -> entry-point group.
-SEAM_GROUPS: Final = {
-    "scheduler": "fd.schedulers",
-    "resource_manager": "fd.resource_managers",
-    "token_processor": "fd.token_processors",
-    "connector": "fd.connectors",
-    "platform": "fd.platforms",
-}
-#: Entry-point group of general plugins holding hook implementations.
-GENERAL_GROUP: Final = "fd.plugins"
+#: Seam name -> entry-point group (from ``fd_core.seams``).
+SEAM_GROUPS: Final = {seam.name: seam.group for seam in SEAMS}
 #: Distribution of the built-in plugins; it wins name clashes.
 BUILTIN_DIST: Final = "fd-engine"
-#: Seam name -> its contract class in ``fd_core.contracts.<seam>``, imported only when checking a plugin.
-_CONTRACT_CLASSES: Final = {
-    "scheduler": "Scheduler",
-    "resource_manager": "ResourceManager",
-    "token_processor": "TokenProcessor",
-    "connector": "Connector",
-    "platform": "Platform",
-}
 
 LOADED: Final = "loaded"
 NOT_LOADED: Final = "not loaded"
@@ -98,7 +83,7 @@ def _check_version(record: PluginRecord, obj: Any) -> None:
 
 
 def _check_contract(record: PluginRecord, obj: Any) -> None:
-    module_name, cls_name = f"fd_core.contracts.{record.seam}", _CONTRACT_CLASSES[record.seam]
+    module_name, cls_name = BY_NAME[record.seam].contract_path.split(":")
     contract = getattr(importlib.import_module(module_name), cls_name)
     if not (isinstance(obj, type) and issubclass(obj, contract)):
         raise PluginLoadError(record.label, f"is not a subclass of {contract.__module__}.{cls_name}")
@@ -299,7 +284,8 @@ class Registry:
     def _collect_registered_classes(self) -> None:
         """Add seam classes contributed through ``fd_register_*`` hooks."""
         by_plugin = {r.obj: r for r in self._records if r.seam == "general" and r.status == LOADED}
-        for seam, hook_name in hookspecs.SEAM_REGISTRATION_HOOKS.items():
+        for seam in SEAMS:
+            hook_name = seam.registration_hook
             hook = getattr(self.plugin_manager.hook, hook_name)
             for impl in hook.get_hookimpls():
                 source = by_plugin.get(impl.plugin)
@@ -312,7 +298,7 @@ class Registry:
                     continue
                 for cls in contributed:
                     record = PluginRecord(
-                        seam, cls.name, f"{cls.__module__}:{cls.__qualname__}",
+                        seam.name, cls.name, f"{cls.__module__}:{cls.__qualname__}",
                         source.dist if source else "?", source.version if source else "?")
                     self._records.append(record)
                     try:

@@ -148,3 +148,11 @@ def test_every_hookspec_is_documented_with_its_signature_and_what_happens_when_i
     assert heading in text, f"docs/plugins.md lacks {heading}"
     section = text.split(heading, 1)[1].split("\n#", 1)[0]
     assert "**If it raises" in section, f"say what happens when {name} raises"
+
+
+def test_the_exit_code_table_lists_every_exit_code() -> None:
+    from fd_core.exit_codes import ExitCode
+
+    text = (ROOT / "docs" / "server.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \|", text, re.M)
+    assert rows == [(str(code.value), code.name) for code in ExitCode]

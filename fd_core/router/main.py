@@ -1,6 +1,6 @@
 """Run the router for a validated config until SIGTERM or SIGINT; returns the exit code.
 
-The listening socket is bound first of all: a busy port is one error line and exit code 2. On
+The listening socket is bound first of all: a busy port is one error line and ``ExitCode.CANNOT_LISTEN``. On
 SIGTERM the router stops accepting connections, lets the requests in flight finish for up to
 ``router.shutdown_timeout_s`` and returns 0 (a second Ctrl+C stops waiting).
 """
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from fd_core.exit_codes import ExitCode
 from fd_core.server.main import bind_listener
 
 if TYPE_CHECKING:
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from fd_core.router.config import RouterConfig
 
 #: Exit code of a port that cannot be listened on (a config problem, as for fd-serve).
-EXIT_CANNOT_LISTEN = 2
 
 
 def serve_router(config: RouterConfig) -> int:
@@ -36,7 +36,7 @@ def serve_router(config: RouterConfig) -> int:
     except OSError as exc:
         print(f"fd-serve: error: cannot listen on {host}:{settings.port} (router.host, router.port): "
               f"{exc.strerror or exc}; choose another --router.port", file=sys.stderr, flush=True)
-        return EXIT_CANNOT_LISTEN
+        return ExitCode.CANNOT_LISTEN
     root = logging.getLogger()
     log_level = logging.getLevelName(root.getEffectiveLevel()).lower()
     if not root.isEnabledFor(logging.DEBUG):  # httpx logs every request (a poll a second per backend) at INFO
@@ -48,7 +48,7 @@ def serve_router(config: RouterConfig) -> int:
     print(f"fd-serve router: forwarding to {len(settings.backends)} backend(s) at {url}/v1 "
           f"({url}/health lists them)", flush=True)
     server.run(sockets=[listener])
-    return 0
+    return ExitCode.OK
 
 
 class _Server(uvicorn.Server):

@@ -2,9 +2,9 @@
 
 The HTTP server answers as soon as it is bound; the engine process and the front end's
 tokenizer load in the background (``/health`` is 503 "starting" until both are ready). A
-start-up failure is reported through ``on_fatal`` with :data:`EXIT_START_FAILED`, which stops
+start-up failure is reported through ``on_fatal`` with ``ExitCode.FAILED``, which stops
 the server with an error. An engine process that dies while serving is reported the same way
-with :data:`EXIT_ENGINE_DIED`, ``server.exit_after_engine_death_s`` later (requests in flight
+with ``ExitCode.ENGINE_DIED``, ``server.exit_after_engine_death_s`` later (requests in flight
 have been answered with the cause by then).
 Every error leaves as OpenAI's error body, including FastAPI's own validation errors (400,
 not 422) and unknown routes; a 429 also carries ``Retry-After``.
@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from fd_core.errors import FdError
+from fd_core.exit_codes import ExitCode
 from fd_core.server.drain import Drain
 from fd_core.server.data_parallel import DataParallelClient
 from fd_core.server.engine_client import EngineClient
@@ -38,10 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: fd-serve's exit code when the engine cannot start.
-EXIT_START_FAILED: Final = 1
-#: fd-serve's exit code when the engine process died while serving (restart the server).
-EXIT_ENGINE_DIED: Final = 3
 
 
 def create_app(config: FdConfig, *, on_fatal: Callable[[str, int], None], log_level: str = "INFO") -> FastAPI:
@@ -50,7 +47,7 @@ def create_app(config: FdConfig, *, on_fatal: Callable[[str, int], None], log_le
     def on_engine_death(reason: str) -> None:
         asyncio.get_running_loop().call_later(config.server.exit_after_engine_death_s, on_fatal,
                                               f"{reason}; exiting so that a supervisor restarts fd-serve",
-                                              EXIT_ENGINE_DIED)
+                                              ExitCode.ENGINE_DIED)
 
     metrics = ServerMetrics()
     client_type = DataParallelClient if config.parallel.data_parallel_size > 1 else EngineClient
@@ -94,11 +91,11 @@ async def _start(state: ServerState, on_fatal: Callable[[str, int], None]) -> No
         limits = await loop.run_in_executor(None, Limits.from_info, state.client.info, tokenizer)
         state.tokenizer = tokenizer
     except FdError as exc:
-        on_fatal(str(exc), EXIT_START_FAILED)
+        on_fatal(str(exc), ExitCode.FAILED)
         return
     except Exception as exc:  # a bug, but the server must not sit there unhealthy forever
         log.exception("start-up failed")
-        on_fatal(f"start-up failed: {type(exc).__name__}: {exc}", EXIT_START_FAILED)
+        on_fatal(f"start-up failed: {type(exc).__name__}: {exc}", ExitCode.FAILED)
         return
     state.limits = limits
     log.info("serving %s (max_model_len %d)", state.model_name, state.limits.max_model_len)

@@ -6,7 +6,7 @@ flight after ``server.shutdown_timeout_s`` are answered with 503 (:mod:`fd_core.
 uvicorn's own timeout, which would cut them off, comes :data:`SHUTDOWN_GRACE_S` later. ``serve``
 returns 1 when the engine cannot start, and 3 when the engine process died while serving
 (after ``server.exit_after_engine_death_s``), so that a supervisor restarts it. The listening
-socket is bound first of all: a busy port is one error line and exit code 2, before the engine
+socket is bound first of all: a busy port is one error line and ``ExitCode.CANNOT_LISTEN``, before the engine
 process (and its model load) is started.
 """
 
@@ -19,6 +19,8 @@ import sys
 from typing import TYPE_CHECKING, Final
 
 import uvicorn
+
+from fd_core.exit_codes import ExitCode
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -41,10 +43,10 @@ def serve(config: FdConfig) -> int:
         print(f"fd-serve: error: cannot listen on {_url_host(config.server.host)}:{config.server.port} "
               f"(server.host, server.port): {exc.strerror or exc}; choose another --server.port",
               file=sys.stderr, flush=True)
-        return 2
+        return ExitCode.CANNOT_LISTEN
     root = logging.getLogger()
     log_level = logging.getLevelName(root.getEffectiveLevel())
-    exit_code = 0
+    exit_code: int = ExitCode.OK
 
     def on_fatal(message: str, code: int) -> None:
         nonlocal exit_code

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from fd_core.exit_codes import ExitCode
 from fd_core.testing.tiny_model import make_tiny_llama
 from tests.conftest import run_fd_serve
 
@@ -60,7 +61,7 @@ def test_a_busy_port_is_refused_before_the_engine_starts(tmp_path):
         port = taken.getsockname()[1]
         result = run_fd_serve("--server.port", str(port), "--model.source", str(make_tiny_llama(tmp_path / "m")),
                               timeout=60)
-    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.returncode == ExitCode.CANNOT_LISTEN == 4, result.stdout + result.stderr
     [line] = _error_lines(result.stderr)
     assert line.startswith(f"fd-serve: error: cannot listen on 127.0.0.1:{port} (server.host, server.port): ")
     assert "Traceback" not in result.stderr and "engine start-up" not in result.stderr

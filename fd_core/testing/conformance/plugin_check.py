@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Collection, Mapping
 from typing import Any, Final
 
@@ -15,47 +16,30 @@ _RESOURCE_MANAGER_ROWS: Final = ("tiny_pool", "no_prefix_caching", "strict_budge
 
 def check_names(seam: str) -> list[str]:
     """The names of the checks of ``seam``'s kit, in the order they run (what ``--skip`` takes)."""
-    from fd_core.testing.conformance.connector import CONNECTOR_CHECKS
-    from fd_core.testing.conformance.platform import PLATFORM_CHECKS
-    from fd_core.testing.conformance.scheduler import SCHEDULER_CHECKS
-    from fd_core.testing.conformance.token_processor import TOKEN_PROCESSOR_CHECKS
-
-    checks = {"scheduler": SCHEDULER_CHECKS, "token_processor": TOKEN_PROCESSOR_CHECKS,
-              "platform": PLATFORM_CHECKS, "connector": CONNECTOR_CHECKS}
     if seam == "resource_manager":
         return list(_RESOURCE_MANAGER_ROWS)
-    return [check.name for check in checks[seam]]
+    kit = importlib.import_module(f"fd_core.testing.conformance.{seam}")   # one kit module per seam, named for it
+    return [check.name for check in getattr(kit, f"{seam.upper()}_CHECKS")]
 
 
 def run_plugin_checks(seam: str, cls: type, options: Mapping[str, Any] | None = None, *,
                       skip: Collection[str] = (), plugin: str | None = None) -> SeamReport:
     """Every check of ``seam``'s kit against plugin class ``cls`` built with ``options``; never raises
     for a broken invariant. Bad options raise pydantic's ValidationError (or ValueError)."""
-    from fd_core.testing.conformance import (
-        connector,
-        platform,
-        resource_manager,
-        scheduler,
-        token_processor,
-    )
+    from fd_core.seams import BY_NAME
     from fd_core.testing.conformance._factories import plugin_settings
 
-    if seam == "scheduler":
-        report = scheduler.run_scheduler_checks(cls, options=options, skip=skip)
-    elif seam == "resource_manager":
+    if seam not in BY_NAME:
+        raise ValueError(f"no conformance kit for seam {seam!r}")
+    kit = importlib.import_module(f"fd_core.testing.conformance.{seam}")
+    run = getattr(kit, f"run_{seam}_checks")
+    if seam == "resource_manager":   # its kit takes a factory of managers over given limits
         from fd_core.registry import Registry
 
         settings = plugin_settings(cls, options)
         hooks = Registry.from_plugins({}).hooks
-        report = resource_manager.run_resource_manager_checks(
-            lambda limits: cls(settings, limits=limits, hooks=hooks),
-            supports_prefix_caching=cls.supports_prefix_caching, skip=skip, plugin=cls.__name__)
-    elif seam == "token_processor":
-        report = token_processor.run_token_processor_checks(cls, options=options, skip=skip)
-    elif seam == "platform":
-        report = platform.run_platform_checks(cls, options=options, skip=skip)
-    elif seam == "connector":
-        report = connector.run_connector_checks(cls, options=options, skip=skip)
+        report = run(lambda limits: cls(settings, limits=limits, hooks=hooks),
+                     supports_prefix_caching=cls.supports_prefix_caching, skip=skip, plugin=cls.__name__)
     else:
-        raise ValueError(f"no conformance kit for seam {seam!r}")
+        report = run(cls, options=options, skip=skip)
     return SeamReport(report.seam, plugin or report.plugin, report.results)

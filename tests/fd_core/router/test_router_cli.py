@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fd_core.exit_codes import ExitCode
 from tests.conftest import run_fd_serve
 from tests.fd_core.router.conftest import start_router
 from tests.fd_core.server.test_requests import metric, metrics
@@ -88,13 +89,13 @@ def test_help_lists_the_routers_keys():
     assert "fd-serve router" in run_fd_serve("--help").stdout
 
 
-def test_a_busy_port_is_one_line_and_exit_2():
+def test_a_busy_port_is_one_line_and_its_own_exit_code():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         result = run_fd_serve("router", "--router.port", str(port), *OK_BACKENDS, timeout=60)
-    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.returncode == ExitCode.CANNOT_LISTEN, result.stdout + result.stderr
     [line] = _error_lines(result.stderr)
     assert line.startswith(f"fd-serve: error: cannot listen on 127.0.0.1:{port} (router.host, router.port): ")
     assert "Traceback" not in result.stderr
