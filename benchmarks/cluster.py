@@ -102,7 +102,8 @@ def main() -> None:
         setups = {"single": [common], "pool": [common + ["--config", _pool_config(folder, redis.url, n)]
                                                for n in ("a", "b")],
                   "dp2": [common + ["--parallel.data_parallel_size", "2"]],
-                  **{f"pd-{c}": [common + extra for extra in _split_args(folder, redis.url, c)] for c in ("zmq", "shm")}}
+                  **{f"pd-{c}": [common + extra for extra in _split_args(folder, redis.url, c)]
+                     for c in ("zmq", "shm")}}
         for name in args.setups.split(","):
             with ExitStack() as stack:
                 servers = []
@@ -116,7 +117,7 @@ def main() -> None:
                                          output_len=args.output_len, range_ratio=0.0,
                                          vocab_size=card["vocab_size"], seed=args.seed)
 
-                def run(items: list) -> dict:
+                def run(items: list, url: str = url, card: dict = card) -> dict:
                     results, duration = asyncio.run(run_benchmark(
                         base_url=url, model=card["id"], workload=items, request_rate=float("inf"), burstiness=1.0,
                         max_concurrency=args.max_concurrency, seed=args.seed, api_key=None))
@@ -127,7 +128,7 @@ def main() -> None:
                          "fd_splitwise_bytes_received_total", "fd_splitwise_kv_receive_us_total",
                          "fd_splitwise_kv_prompt_tokens_total")
 
-                def totals() -> list[float]:
+                def totals(servers: list = servers, names: tuple = names) -> list[float]:
                     return [sum(s.figure(n) for s in servers) for n in names]
 
                 before = totals()

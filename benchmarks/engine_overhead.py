@@ -113,7 +113,8 @@ def main() -> None:
     print(f"{'rm':<4} {'running':>8} {'median ms/step':>15} {'p90':>8}  profile (cumulative ms/step, profiled run)")
     for r in results:
         seams = ", ".join(f"{k} {v:.2f}" for k, v in r["profile_ms_per_step"].items())
-        print(f"{r['resource_manager']:<4} {r['running']:>8} {r['median_step_ms']:>15.2f} {r['p90_step_ms']:>8.2f}  {seams}")
+        print(f"{r['resource_manager']:<4} {r['running']:>8} {r['median_step_ms']:>15.2f} {r['p90_step_ms']:>8.2f}"
+              f"  {seams}")
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=2))
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +67,8 @@ def measure(generate, *, batches: list[int], decode_tokens: int, prompt_len: int
     figures: dict = {"decode_tokens_per_s": {}, "prefill_tokens_per_s": None}
     for batch in batches:
         prompts = rng.integers(3, vocab, (batch, prompt_len)).tolist()
-        t1 = _median_time(lambda: generate(prompts, 1), repeats)
-        tn = _median_time(lambda: generate(prompts, decode_tokens), repeats)
+        t1 = _median_time(partial(generate, prompts, 1), repeats)
+        tn = _median_time(partial(generate, prompts, decode_tokens), repeats)
         figures["decode_tokens_per_s"][batch] = batch * (decode_tokens - 1) / (tn - t1)
     long_prompt = rng.integers(3, vocab, (1, prefill_len)).tolist()
     figures["prefill_tokens_per_s"] = prefill_len / _median_time(lambda: generate(long_prompt, 1), repeats)
@@ -96,7 +97,8 @@ def main() -> None:
     if not args.skip_hf:
         results["hf-transformers"] = measure(hf_runner(gguf_path), **common)
 
-    print(f"{'engine':<18}" + "".join(f"{'decode b=' + str(b):>14}" for b in batches) + f"{'prefill ' + str(args.prefill_len):>14}")
+    print(f"{'engine':<18}" + "".join(f"{'decode b=' + str(b):>14}" for b in batches)
+          + f"{'prefill ' + str(args.prefill_len):>14}")
     for engine, figures in results.items():
         print(f"{engine:<18}" + "".join(f"{figures['decode_tokens_per_s'][b]:>14.1f}" for b in batches)
               + f"{figures['prefill_tokens_per_s']:>14.1f}")

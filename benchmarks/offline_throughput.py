@@ -13,8 +13,14 @@ import argparse
 import json
 from dataclasses import asdict
 
-from fd_core.bench.throughput import (add_engine_arguments, add_workload_arguments, format_results, measure,
-                                      run_resource_managers, workload_from)
+from fd_core.bench.throughput import (
+    add_engine_arguments,
+    add_workload_arguments,
+    format_results,
+    measure,
+    run_resource_managers,
+    workload_from,
+)
 from fd_core.bench.workload import WorkItem
 
 

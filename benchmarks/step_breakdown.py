@@ -2,8 +2,9 @@
 
 Fills the engine with ``--rows`` requests of ``--prompt-len`` tokens, runs their prefills, then
 times ``--steps`` decode steps; with ``--phase prefill`` it times those prefills instead (steps of
-up to 2,048 tokens, after an untimed prefill of a few requests). Each swappable kernel (``fd_core.model.kernels``; the linear
-layers by weight name) and the embedding are wrapped in a timer; "engine + other" is the rest of ``EngineCore.step`` (scheduling, metadata, sampling, outputs).
+up to 2,048 tokens, after an untimed prefill of a few requests). Each swappable kernel
+(``fd_core.model.kernels``; the linear layers by weight name) and the embedding are wrapped in a
+timer; "engine + other" is the rest of ``EngineCore.step`` (scheduling, metadata, sampling, outputs).
 Paddle's CPU ops run synchronously, so wall time around a call is that op's time.
 
     python benchmarks/step_breakdown.py --kernels portable,auto --json-out /tmp/breakdown.json
@@ -27,6 +28,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
+
 
 class Timers:
     """Seconds and calls per component name."""

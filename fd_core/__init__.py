@@ -85,9 +85,18 @@ if TYPE_CHECKING:
     from fd_core.engine.core import EngineCore
     from fd_core.engine.llm import LLM
     from fd_core.engine.results import CompletionResult
-    from fd_core.errors import (ConfigError, EngineDeadError, FdError, ModelLoadError, PluginError,
-                                PluginLoadError, PluginNotFoundError, PluginVersionError,
-                                QueueFullError, RequestError)
+    from fd_core.errors import (
+        ConfigError,
+        EngineDeadError,
+        FdError,
+        ModelLoadError,
+        PluginError,
+        PluginLoadError,
+        PluginNotFoundError,
+        PluginVersionError,
+        QueueFullError,
+        RequestError,
+    )
     from fd_core.hookspecs import FD_HOOKSPEC_VERSION, hookimpl, hookspec
     from fd_core.outputs import RequestOutput, SampledToken, ScheduledRequest, StepPlan, StepResult
     from fd_core.registry import PluginRecord, Registry

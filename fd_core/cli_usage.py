@@ -133,7 +133,8 @@ def router_help_text() -> str:
     """``fd-serve router --help``: usage, the router's flags, then every ``[router]`` key with its default."""
     from fd_core.router.config import router_keys
 
-    lines = [ROUTER_USAGE, "", "An OpenAI-compatible front with no model of its own: forwards each request to the least",
+    lines = [ROUTER_USAGE, "",
+             "An OpenAI-compatible front with no model of its own: forwards each request to the least",
              "loaded healthy fd-serve backend (role mixed or decode) and streams its answer back.",
              "", "options:"]
     lines += [f"  {(flag + ' ' + metavar).strip():<24}{text}" for flag, metavar, text in _ROUTER_FLAGS]

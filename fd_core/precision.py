@@ -5,8 +5,9 @@ A user picks a mode with ``model.precision``; the mode sets the four keys that u
 combined by hand (``model.quantized_weights``, ``model.linear_weights``, ``model.linear_inputs``,
 ``model.attention_inputs``) and what ``cache.dtype = "auto"`` stores. Those keys still work on
 their own (a config that sets them and no mode gets the mode they spell, or ``custom``); set
-beside a mode, each must agree with it (a key left at its default takes the mode's value). :func:`precision_problems` checks every rule at once,
-from what ``fd-serve --check`` runs (``fd_core.selection.resolve``), before any kernel is built.
+beside a mode, each must agree with it (a key left at its default takes the mode's value).
+:func:`precision_problems` checks every rule at once, from what ``fd-serve --check`` runs
+(``fd_core.selection.resolve``), before any kernel is built.
 """
 
 from __future__ import annotations

@@ -178,8 +178,9 @@ def _check_hooks_allowed(config: FdConfig, registry: Registry) -> Problems:
     unknown = sorted({name.removeprefix("fd.plugins/") for name in config.plugins.hooks} - installed)
     if not unknown:
         return []
-    return [("plugins.hooks", f"no installed hook plugin (fd.plugins entry point) is named {', '.join(map(repr, unknown))}; "
-                              f"installed: {', '.join(sorted(installed)) or 'none'}{_from_env(config, 'plugins.hooks')}")]
+    return [("plugins.hooks", "no installed hook plugin (fd.plugins entry point) is named "
+                              f"{', '.join(map(repr, unknown))}; installed: {', '.join(sorted(installed)) or 'none'}"
+                              f"{_from_env(config, 'plugins.hooks')}")]
 
 
 def _check_model_source(config: FdConfig) -> Problems:

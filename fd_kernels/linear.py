@@ -25,8 +25,13 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from fd_kernels.quantized import (BlockQuantized, int8_block_values, quantize_int8_channels, quantize_uint8_rows,
-                                  round_to_bfloat16)
+from fd_kernels.quantized import (
+    BlockQuantized,
+    int8_block_values,
+    quantize_int8_channels,
+    quantize_uint8_rows,
+    round_to_bfloat16,
+)
 
 
 def _bfloat16_values(x: paddle.Tensor) -> paddle.Tensor:

@@ -32,7 +32,8 @@ class BlockQuantized:
 
     def __post_init__(self) -> None:
         rows, blocks = self.scales.shape
-        if self.bits not in (4, 8) or self.codes.dtype != np.uint8 or self.codes.shape != (rows, blocks * self.bits * 4):
+        if (self.bits not in (4, 8) or self.codes.dtype != np.uint8
+                or self.codes.shape != (rows, blocks * self.bits * 4)):
             raise ValueError(f"codes {self.codes.dtype}{list(self.codes.shape)} do not hold {rows} rows of "
                              f"{blocks} {self.bits}-bit blocks")
         if self.mins.shape != self.scales.shape:

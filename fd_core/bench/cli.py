@@ -24,7 +24,8 @@ SUBCOMMANDS: Final = {
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fd-bench``; returns the exit code (2 for a missing or unknown subcommand)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "\n".join([f"usage: fd-bench {{{','.join(SUBCOMMANDS)}}} [options]   (fd-bench SUBCOMMAND --help: its options)",
+    usage = "\n".join([f"usage: fd-bench {{{','.join(SUBCOMMANDS)}}} [options]"
+                       "   (fd-bench SUBCOMMAND --help: its options)",
                        "", *(f"  {name:<12} {text}" for name, text in SUBCOMMANDS.items())])
     if argv[:1] in (["-h"], ["--help"]):
         print(usage)

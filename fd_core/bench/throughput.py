@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 from fd_core.bench.workload import WorkItem, make_workload
 

@@ -2,9 +2,10 @@
 
 Tensors are dequantized at load (F32, F16, Q8_0, Q4_0, Q4_1) and renamed to Hugging Face
 names; with ``keep_quantized`` the matrices the model multiplies by (projections, the embedding
-/ head) stay in their Q8_0 / Q4_0 / Q4_1 blocks as :class:`~fd_kernels.quantized.BlockQuantized`. llama.cpp's converter stores ``attn_q``/``attn_k`` rows permuted for interleaved
-(GPT-J style) RoPE; they are permuted back here so the weights match Hugging Face's
-``rotate_half`` layout, which is what the model implements.
+/ head) stay in their Q8_0 / Q4_0 / Q4_1 blocks as :class:`~fd_kernels.quantized.BlockQuantized`.
+llama.cpp's converter stores ``attn_q``/``attn_k`` rows permuted for interleaved (GPT-J style)
+RoPE; they are permuted back here so the weights match Hugging Face's ``rotate_half`` layout,
+which is what the model implements.
 """
 
 from __future__ import annotations

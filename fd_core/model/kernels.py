@@ -16,9 +16,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Final
 
-from fd_core.contracts.platform import CPP_KERNELS, FUSED_RMS_NORM
 import paddle.nn.functional as F
 
+from fd_core.contracts.platform import CPP_KERNELS, FUSED_RMS_NORM
 from fd_kernels import decoder_layer, linear, native, paged_attention, rms_norm
 
 

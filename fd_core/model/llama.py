@@ -245,7 +245,7 @@ class LlamaForCausalLM:
                                           attn, self.rope_cos, self.rope_sin, heads, head_dim, arch.rms_norm_eps,
                                           round_queries=self.round_queries)
                 continue
-            for layer, cache in zip(self.layers[run.start:run.stop], caches):
+            for layer, cache in zip(self.layers[run.start:run.stop], caches, strict=True):
                 x, residual = self._layer(x, residual, layer, cache, attn, rope_write_kv)
         if attn.sample_indices.shape[0] == 0:
             return paddle.zeros([0, arch.vocab_size], dtype="float32")

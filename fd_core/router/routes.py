@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from fd_core.server.body import read_body
 from fd_core.router.metrics import CONTENT_TYPE
+from fd_core.server.body import read_body
 
 if TYPE_CHECKING:
     from fd_core.router.app import RouterState
@@ -57,4 +57,5 @@ async def chat_completions(request: Request) -> Response:
 async def _generate(request: Request, path: str) -> Response:
     state = _state(request)
     limit = state.settings.max_body_bytes
-    return await state.forwarder.generate(request, path, lambda: read_body(request, limit, limit_key="router.max_body_bytes"))
+    return await state.forwarder.generate(
+        request, path, lambda: read_body(request, limit, limit_key="router.max_body_bytes"))

@@ -34,7 +34,7 @@ def _row_width(arch: LlamaArchConfig, dtype: str) -> int:
 class LayerKVCache:
     """The K and V cache tensors of one layer, updated in place by the attention kernel."""
 
-    key: paddle.Tensor    # [num_blocks, num_kv_heads, block_size, head_dim] (int8: head_dim + 4, see fd_kernels.int8_cache)
+    key: paddle.Tensor    # [num_blocks, num_kv_heads, block_size, head_dim] (int8: head_dim + 4, fd_kernels.int8_cache)
     value: paddle.Tensor  # same shape and dtype as key
 
 

@@ -84,8 +84,9 @@ def _top_p_keep(vals: np.ndarray, size: np.ndarray, top_p: np.ndarray,
     """Length of the top-p prefix of sorted ``vals`` [R, W], and whether W covered it.
 
     Only the first ``size`` [R] entries of a row belong to its set; ``norm`` [R] is the set's
-    total of ``exp(logit - max)`` when the set reaches beyond W (default: the sum over size). Sums run in float64: near the boundary consecutive masses
-    differ by ~1/V, which a float32 running sum over the vocabulary cannot resolve.
+    total of ``exp(logit - max)`` when the set reaches beyond W (default: the sum over size).
+    Sums run in float64: near the boundary consecutive masses differ by ~1/V, which a float32
+    running sum over the vocabulary cannot resolve.
     """
     v = vals.astype(np.float64)
     in_set = np.arange(v.shape[-1])[None, :] < size[:, None]
@@ -337,5 +338,5 @@ class Sampler:
             n = params[i].logprobs or 0
             out[i].logprob = float(sub[j, tokens[i]] - lse[j])
             out[i].top_logprobs = ([(int(t), float(v)) for t, v in
-                                    zip(top_ids[j, :n], top_lp[j, :n])] if n else [])
+                                    zip(top_ids[j, :n], top_lp[j, :n], strict=True)] if n else [])
         return out

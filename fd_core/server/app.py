@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse
 
 from fd_core.errors import FdError
 from fd_core.exit_codes import ExitCode
-from fd_core.server.drain import Drain
-from fd_core.server.data_parallel import DataParallelClient
-from fd_core.server.engine_client import EngineClient
 from fd_core.server import error_handlers
+from fd_core.server.data_parallel import DataParallelClient
+from fd_core.server.drain import Drain
+from fd_core.server.engine_client import EngineClient
 from fd_core.server.http_errors import from_exception, from_validation_errors
 from fd_core.server.metrics import ServerMetrics
 from fd_core.server.prepare import Limits

@@ -39,9 +39,9 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from fd_core.request import Request as EngineRequest
+    from fd_core.server.drain import Drain
     from fd_core.server.engine_client import RequestStream
     from fd_core.server.prepare import Limits
-    from fd_core.server.drain import Drain
     from fd_core.server.protocol import StreamOptions, _SamplingFields
     from fd_core.server.render import Renderer
     from fd_core.server.state import ServerState
@@ -99,7 +99,8 @@ async def health(request: Request) -> JSONResponse:
             body.update(status=status, reason=reason)
         if stats:
             kv = stats["kv"]
-            body["load"] = {"running": kv["num_running"], "waiting": kv["num_waiting"] + stats["num_waiting_in_scheduler"],
+            body["load"] = {"running": kv["num_running"],
+                            "waiting": kv["num_waiting"] + stats["num_waiting_in_scheduler"],
                             "in_flight": state.in_flight, "free_blocks": kv["num_free_blocks"],
                             "num_blocks": kv["num_blocks"]}
     info = state.client.info

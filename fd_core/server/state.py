@@ -24,8 +24,8 @@ from fd_core.server.http_errors import ENGINE_DEAD, ENGINE_STARTING, SHUTTING_DO
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
-    from fd_core.server.drain import Drain
     from fd_core.server.data_parallel import DataParallelClient
+    from fd_core.server.drain import Drain
     from fd_core.server.engine_client import EngineClient
     from fd_core.server.metrics import ServerMetrics
     from fd_core.server.prepare import Limits

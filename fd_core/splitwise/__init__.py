@@ -21,6 +21,6 @@ sent). Given up on the decode side, the request is asked of another prefill inst
 when no prefill instance is registered it waits up to ``stall_timeout_s`` for one to appear;
 on the prefill side, its blocks are freed. Messages of an earlier attempt are ignored. A
 client abort (or any end) on the decode side sends ``ABORT``; a prefill instance that cannot take
-a request (queue full) answers ``ABORT`` at once and the next instance is asked. A reserved request preempted on the decode side gives
-up its hand-off and recomputes its prompt locally.
+a request (queue full) answers ``ABORT`` at once and the next instance is asked. A reserved
+request preempted on the decode side gives up its hand-off and recomputes its prompt locally.
 """

@@ -3,8 +3,9 @@
 See :mod:`fd_core.splitwise` for the protocol. Requests from decode instances queue here (in
 arrival order, at most ``max_queued``) until the engine has room; the engine computes them like
 any prompt; in the step that completes the prompt this side ships every block of it, then the
-first token, taking that out of the step's result so that the token processor never sees it. The request then holds its blocks (it has nothing left to compute) until the
-decode side confirms or gives up, or goes silent for ``splitwise.stall_timeout_s``.
+first token, taking that out of the step's result so that the token processor never sees it.
+The request then holds its blocks (it has nothing left to compute) until the decode side
+confirms or gives up, or goes silent for ``splitwise.stall_timeout_s``.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class PrefillSide(LinkedSide):
                 self._link.call(lambda j=job, i=index, b=block_id: self._ship(j, i, b))
             token = result.sampled.pop(request_id)
             fields = protocol.token_fields(token.token_id, token.logprob, token.top_logprobs)
-            self._link.call(lambda j=job, n=len(prompt_blocks), t=fields: self._send(
+            num_blocks = len(prompt_blocks)
+            self._link.call(lambda j=job, n=num_blocks, t=fields: self._send(
                 j.origin, protocol.DONE, id=j.remote_id, attempt=j.attempt, blocks=n, token=t))
 
     def holds(self, request_id: str) -> bool:

@@ -7,8 +7,15 @@ from typing import Any, ClassVar, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fd_core.contracts.platform import (BF16_DOT_PRODUCTS, CPP_KERNELS, FUSED_RMS_NORM, PAGED_ATTENTION, DetectResult,
-                                        MemoryProfile, Platform)
+from fd_core.contracts.platform import (
+    BF16_DOT_PRODUCTS,
+    CPP_KERNELS,
+    FUSED_RMS_NORM,
+    PAGED_ATTENTION,
+    DetectResult,
+    MemoryProfile,
+    Platform,
+)
 from fd_plugins.platforms import cpu_features, host_tuning
 
 #: Environment variables that size the thread pools of OpenMP, MKL and OpenBLAS.
@@ -88,7 +95,8 @@ class CpuPlatform(Platform):
     def __init__(self, settings: BaseModel | None = None) -> None:
         super().__init__(settings if settings is not None else CpuSettings())
         if not isinstance(self.settings, CpuSettings):
-            raise TypeError(f"{type(self).__name__} needs CpuSettings (or a subclass), got {type(self.settings).__name__}")
+            raise TypeError(f"{type(self).__name__} needs CpuSettings (or a subclass), "
+                            f"got {type(self.settings).__name__}")
         self.features = cpu_features.probe_cpu_features()
         self.capabilities = cpu_capabilities(self.features, self.settings.kernels)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fd_core.compat import BREAKING, FdDeprecationWarning, LOADS_UNTIL, oldest_loadable
+from fd_core.compat import BREAKING, LOADS_UNTIL, FdDeprecationWarning, oldest_loadable
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.request import FinishReason, SamplingParams
 from tests.conftest import PLUGIN_PACKAGES, _pip, run_fd_serve

@@ -109,7 +109,7 @@ def test_a_kv_cap_of_the_platform_is_named_as_such():
 
 
 def test_the_hooks_allow_list_registers_only_the_named_hook_plugins(demo_plugins):
-    from tests.conftest import run_fd_serve   # a fresh interpreter sees the freshly installed plugins
+    from tests.conftest import run_fd_serve  # a fresh interpreter sees the freshly installed plugins
 
     def row(table: str) -> str:
         return next(line for line in table.splitlines() if line.startswith("fd.plugins") and "priority-order" in line)

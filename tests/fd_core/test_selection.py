@@ -8,8 +8,8 @@ from typing import ClassVar
 import pytest
 
 from fd_core.config import load_config
-from fd_core.errors import ConfigError
 from fd_core.contracts.platform import DetectResult, MemoryProfile, Platform
+from fd_core.errors import ConfigError
 from fd_core.registry import Registry
 from fd_core.selection import resolve
 from fd_plugins.resource_managers.v1.manager import V1ResourceManager

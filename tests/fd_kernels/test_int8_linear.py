@@ -11,8 +11,7 @@ import paddle
 import pytest
 
 from fd_kernels.linear import PORTABLE_LINEAR
-from fd_kernels.quantized import (INT8_WEIGHT_LEVELS, int8_linear_exact, quantize_int8_channels,
-                                  quantize_uint8_rows)
+from fd_kernels.quantized import INT8_WEIGHT_LEVELS, int8_linear_exact, quantize_int8_channels, quantize_uint8_rows
 
 
 def test_codes_stay_within_the_levels_and_rows_round_trip() -> None:

@@ -15,9 +15,8 @@ from fd_core.model.kernels import select_kernels
 from fd_core.outputs import ScheduledRequest
 from fd_core.request import Request
 from fd_core.runner.attention_metadata import build_attention_metadata, order_rows
-from fd_kernels import int8_cache, native
+from fd_kernels import int8_cache, native, rms_norm
 from fd_kernels import paged_attention as pa
-from fd_kernels import rms_norm
 from fd_plugins.platforms.cpu import CpuPlatform
 
 NUM_BLOCKS = 96
@@ -156,7 +155,8 @@ def test_cpp_kv_write_into_a_bfloat16_cache_rounds_to_nearest_even(cpp) -> None:
         results[dtype] = (q, k_cache, v_cache)
     np.testing.assert_array_equal(results["bfloat16"][0].numpy(), results["float32"][0].numpy())
     for wide, narrow in zip(results["float32"][1:], results["bfloat16"][1:], strict=True):
-        np.testing.assert_array_equal(narrow.astype("float32").numpy(), wide.astype("bfloat16").astype("float32").numpy())
+        np.testing.assert_array_equal(narrow.astype("float32").numpy(),
+                                      wide.astype("bfloat16").astype("float32").numpy())
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])   # 300 rows: spread over threads
@@ -242,7 +242,8 @@ def test_isa_flags_follow_the_declared_features_only() -> None:
     assert native.isa_flags({"avx2", "fma", "avx512f", "amx_bf16"})[-2:] == ("-mamx-tile", "-mamx-bf16")
     assert not any("amx" in flag for flag in native.isa_flags({"avx2", "fma", "amx_bf16"}))
     # VNNI (quant_linear.cc's int8 dot products): the EVEX form needs avx512vl declared with it
-    assert native.isa_flags({"avx2", "fma", "avx512f", "avx512vl", "avx512_vnni"})[-2:] == ("-mavx512vl", "-mavx512vnni")
+    assert (native.isa_flags({"avx2", "fma", "avx512f", "avx512vl", "avx512_vnni"})[-2:]
+            == ("-mavx512vl", "-mavx512vnni"))
     assert not any("vnni" in flag for flag in native.isa_flags({"avx2", "fma", "avx512f", "avx512_vnni"}))
     assert native.isa_flags({"avx2", "fma", "avx_vnni"}) == ("-mavx2", "-mfma", "-mavxvnni")
     assert native.isa_flags({"avx_vnni"}) == ()
@@ -263,8 +264,9 @@ def test_cpp_kv_write_into_an_int8_cache_stores_codes_and_row_scales(cpp) -> Non
     rng = np.random.default_rng(6)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     attn = _step(rng, _rows(rng, block_size, "ragged"), block_size, heads, kv_heads)
-    qkv = paddle.to_tensor((rng.standard_normal((attn.num_tokens, heads + 2 * kv_heads, head_dim))
-                            * 10.0 ** rng.uniform(-3, 2, (attn.num_tokens, heads + 2 * kv_heads, 1))).astype(np.float32))
+    width = heads + 2 * kv_heads
+    qkv = paddle.to_tensor((rng.standard_normal((attn.num_tokens, width, head_dim))
+                            * 10.0 ** rng.uniform(-3, 2, (attn.num_tokens, width, 1))).astype(np.float32))
     cos, sin = _random(rng, 512, head_dim), _random(rng, 512, head_dim)
     shape = [NUM_BLOCKS, kv_heads, block_size, head_dim]
     wide = [paddle.zeros(shape), paddle.zeros(shape)]

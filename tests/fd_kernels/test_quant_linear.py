@@ -11,8 +11,7 @@ import paddle
 import pytest
 
 from fd_kernels.linear import PORTABLE_LINEAR
-from fd_kernels.quantized import (BlockQuantized, from_gguf_blocks, int8_block_values, quantize_int8_blocks,
-                                  stack_rows)
+from fd_kernels.quantized import BlockQuantized, from_gguf_blocks, int8_block_values, quantize_int8_blocks, stack_rows
 
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 

@@ -68,7 +68,9 @@ def run_connector_checks(plugin: type[Connector] | ConnectorFactory, *, options:
         if settings is None:
             settings = plugin_settings(plugin, options)
         cls = plugin
-        factory: ConnectorFactory = lambda s, role, instance_id: cls(s, role=role, instance_id=instance_id)
+
+        def factory(s: Any, role: ConnectorRole, instance_id: str) -> Connector:
+            return cls(s, role=role, instance_id=instance_id)
     elif options:
         raise ValueError("options are for a Connector class; pass a factory its settings instead")
     else:

@@ -188,7 +188,8 @@ def _handoff(rig: HandoffRig) -> None:
                                         f"engine {want_tokens} (greedy): the KV arrived damaged")
         if "".join(o.new_text for o in outputs) != "".join(o.new_text for o in expected):
             raise broken(SEAM, HANDOFF, f"request {request_id!r}'s text differs from the mixed engine's")
-        if [t.token_id for o in outputs for t in o.new_logprobs] != [t.token_id for o in expected for t in o.new_logprobs]:
+        if ([t.token_id for o in outputs for t in o.new_logprobs]
+                != [t.token_id for o in expected for t in o.new_logprobs]):
             raise broken(SEAM, HANDOFF, f"request {request_id!r}'s logprobs differ from the mixed engine's")
     done = decode.stats().splitwise.get("transfers_done", 0) - before
     if done != len(PROMPTS):

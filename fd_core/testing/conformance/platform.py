@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 from fd_core.contracts.platform import (
@@ -148,7 +149,7 @@ def _detect(kit: _Kit) -> None:
 def _answers(kit: _Kit) -> None:
     kit.available()
     for how, platform in kit.instances():
-        device = _call(how, "device_string(0)", lambda: platform.device_string(0))
+        device = _call(how, "device_string(0)", partial(platform.device_string, 0))
         if not isinstance(device, str) or not device:
             raise broken(SEAM, ANSWERS, f"{how}.device_string(0) returned {device!r}, not a device string")
         dtypes = _call(how, "supported_dtypes()", platform.supported_dtypes)
@@ -169,8 +170,8 @@ def _answers(kit: _Kit) -> None:
                 not 0 <= profile.free_bytes <= profile.total_bytes:
             raise broken(SEAM, ANSWERS, f"{how}.memory_profile() returned {profile!r}: total > 0 and "
                                         "0 <= free <= total bytes")
-        budget = _call(how, "kv_cache_memory_bytes(...)", lambda: platform.kv_cache_memory_bytes(
-            utilization=0.9, weights_bytes=_MIB, activation_reserve_bytes=_MIB))
+        budget = _call(how, "kv_cache_memory_bytes(...)", partial(
+            platform.kv_cache_memory_bytes, utilization=0.9, weights_bytes=_MIB, activation_reserve_bytes=_MIB))
         if not isinstance(budget, int) or budget <= 0:
             raise broken(SEAM, ANSWERS, f"{how}.kv_cache_memory_bytes(utilization=0.9, weights_bytes=1 MiB, "
                                         f"activation_reserve_bytes=1 MiB) returned {budget!r}; a positive int "

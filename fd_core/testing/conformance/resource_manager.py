@@ -384,7 +384,8 @@ class _Simulation:
         if got != expected:
             self.fail(f"stats (blocks, free, running, waiting) = {got}, expected {expected}", STATS)
         if stats.num_preemptions != self.num_preemptions:
-            self.fail(f"stats.num_preemptions {stats.num_preemptions} != preempted ids seen {self.num_preemptions}", STATS)
+            self.fail(f"stats.num_preemptions {stats.num_preemptions} != preempted ids seen {self.num_preemptions}",
+                      STATS)
         if not (self._last_queries <= stats.prefix_cache_queries and self._last_hits <= stats.prefix_cache_hits
                 and stats.prefix_cache_hits <= stats.prefix_cache_queries):
             self.fail(f"prefix cache counters went back or hits exceed queries: {stats!r}", STATS)
@@ -399,4 +400,5 @@ class _Simulation:
         if unfinished:
             self.fail(f"after the drain {len(unfinished)} requests are not finished, e.g. {unfinished[0]!r}", DRAINED)
         if self.manager.num_free_blocks() != self.limits.num_blocks:
-            self.fail(f"after the drain {self.manager.num_free_blocks()} of {self.limits.num_blocks} blocks are free", DRAINED)
+            self.fail(f"after the drain {self.manager.num_free_blocks()} of {self.limits.num_blocks} blocks are free",
+                      DRAINED)

@@ -184,7 +184,8 @@ class _Seen:
         for request_id, request in put.items():
             times, answered = self.handed[request_id], self.answered(request_id)
             if times > 1:
-                raise broken(SEAM, EXACTLY_ONCE, f"request {request_id!r} was handed out {times} times (seed {self.seed})")
+                raise broken(SEAM, EXACTLY_ONCE,
+                             f"request {request_id!r} was handed out {times} times (seed {self.seed})")
             if times and answered:
                 raise broken(SEAM, EXACTLY_ONCE, f"request {request_id!r} was handed out and also answered "
                                                  f"by the scheduler (seed {self.seed})")
@@ -303,7 +304,10 @@ def _ttl_expiry(kit: _Kit) -> None:
         raise Skip("the settings model has no ttl_s")
     tiny = settings.model_copy(update={"ttl_s": TINY_TTL_S})
     rng = kit.rng("ttl")
-    build = lambda hooks, max_queue_size: cls(tiny, hooks=hooks, max_queue_size=max_queue_size)
+
+    def build(hooks: Any, max_queue_size: int) -> Scheduler:
+        return cls(tiny, hooks=hooks, max_queue_size=max_queue_size)
+
     with kit.scheduler(build=build) as scheduler:
         put_at = time.monotonic()
         put = _put_all(scheduler, [kit.request(f"ttl{i}", rng) for i in range(3)])

@@ -94,8 +94,9 @@ def run_token_processor_checks(plugin: type[TokenProcessor] | TokenProcessorFact
     """Like :func:`check_token_processor`, but never raises for a broken invariant: every check gets a row."""
     if isinstance(plugin, type):
         settings = plugin_settings(plugin, options)
-        factory: TokenProcessorFactory = lambda tok, max_model_len: plugin(
-            settings, tokenizer=tok, max_model_len=max_model_len)
+
+        def factory(tok: Tokenizer, max_model_len: int) -> TokenProcessor:
+            return plugin(settings, tokenizer=tok, max_model_len=max_model_len)
     elif options:
         raise ValueError("options are for a TokenProcessor class; a factory builds its own settings")
     else:
@@ -307,7 +308,8 @@ def _eos_cases(kit: _Kit) -> list[_Case]:
     return [
         _Case("eos", kit.request("eos", SamplingParams(max_tokens=32)), script, EOS,
               len(words) + 1, FinishReason.STOP, kit.decode(words)),
-        _Case("eos with ignore_eos", kit.request("eos-ignored", SamplingParams(max_tokens=len(script), ignore_eos=True)),
+        _Case("eos with ignore_eos",
+              kit.request("eos-ignored", SamplingParams(max_tokens=len(script), ignore_eos=True)),
               script, EOS, len(script), FinishReason.LENGTH, kit.decode(script)),
     ]
 
@@ -380,7 +382,8 @@ def _detokenize_cases(kit: _Kit) -> list[_Case]:
     assert any(len(kit.encode(ch)) > 1 for ch in "🦀漢∑"), "the kit's characters must span tokens"
     emoji_first = kit.encode("🦀 ok")
     return [
-        _Case("multi-byte characters over byte-level tokens", kit.request("bytes", SamplingParams(max_tokens=len(script))),
+        _Case("multi-byte characters over byte-level tokens",
+              kit.request("bytes", SamplingParams(max_tokens=len(script))),
               script, DETOKENIZE, len(script), FinishReason.LENGTH, kit.decode(script)),
         _Case("an emoji as the first output", kit.request("emoji", SamplingParams(max_tokens=len(emoji_first))),
               emoji_first, DETOKENIZE, len(emoji_first), FinishReason.LENGTH, kit.decode(emoji_first)),

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fd_core.plugin_guard import GuardedHooks
 from fd_core.outputs import StepPlan
+from fd_core.plugin_guard import GuardedHooks
 from fd_core.request import FinishReason, RequestStatus
 from fd_plugins.resource_managers._common import BlockTable, QueuedBlockManager, cdiv
 from fd_plugins.resource_managers.block_pool import BlockPool

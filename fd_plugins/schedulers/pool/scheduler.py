@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from fd_core.contracts.scheduler import Scheduler
 from fd_core.errors import ConfigError, QueueFullError
-from fd_core.plugin_guard import GuardedHooks
 from fd_core.outputs import RequestOutput
+from fd_core.plugin_guard import GuardedHooks
 from fd_core.request import FinishReason, Request
 from fd_core.server import wire
 from fd_plugins.schedulers.local import drain_results, hook_order
@@ -362,7 +362,8 @@ class GlobalScheduler(Scheduler):
             self._counters["leases_expired"] += reaped.expired
             now = time.time()
             old = [request_id for request_id, record in self._originated.items()
-                   if not record.local and not record.remote_seen and now - record.request.arrival_time > settings.ttl_s]
+                   if not record.local and not record.remote_seen
+                   and now - record.request.arrival_time > settings.ttl_s]
         if beat.lost:
             self._cancel(beat.lost)
         if old:

@@ -29,7 +29,8 @@ def _free(llm):
 def test_stream_deltas_concatenate_to_the_final_text(async_llm):
     async def main():
         deltas, ids = [], []
-        async for out in async_llm.generate("hello world, the", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)):
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        async for out in async_llm.generate("hello world, the", params):
             deltas.append(out.new_text)
             ids.extend(out.new_token_ids)
             last = out

@@ -15,8 +15,8 @@ from fd_core.engine.builder import (
     plan_kv_pool,
 )
 from fd_core.errors import ConfigError
-from fd_core.model.kernels import PORTABLE_KERNELS
 from fd_core.model.arch import LlamaArchConfig
+from fd_core.model.kernels import PORTABLE_KERNELS
 from fd_core.runner.kv_cache import kv_cache_bytes_per_block
 from fd_kernels import native
 from fd_plugins.platforms import cpu_features
@@ -68,7 +68,8 @@ def test_too_little_memory_names_the_key():
 def test_cache_memory_sizes_the_pool_beyond_the_host_default_cap():
     per_block = kv_cache_bytes_per_block(ARCH, 16)
     wanted = HOST_DEFAULT_KV_CAP_BYTES + 1000 * per_block + per_block // 2   # not a whole number of blocks
-    config = load_config(cache={"memory": wanted, "block_size": 16}, engine={"max_num_seqs": 10_000, "max_num_batched_tokens": 10_000})
+    config = load_config(cache={"memory": wanted, "block_size": 16},
+                         engine={"max_num_seqs": 10_000, "max_num_batched_tokens": 10_000})
     plan = plan_kv_pool(config, ARCH, CpuPlatform(), max_model_len=256, weights_bytes=0)
     assert (plan.num_blocks, plan.source) == (wanted // per_block, "cache.memory")
     capped = plan_kv_pool(load_config(cache={"memory": wanted, "block_size": 16}, engine={"max_num_seqs": 4}),
@@ -195,8 +196,8 @@ def test_a_bfloat16_kv_cache_halves_the_pool_and_drains_back_to_free(make_llm):
     caches = llm.engine.runner.kv_caches
     assert str(caches[0].key.dtype) == "paddle.bfloat16"
     block_size = load_config().cache.block_size
-    assert sum(c.key.numel() * 2 * 2 for c in caches) == 64 * kv_cache_bytes_per_block(llm.engine.runner.arch, block_size,
-                                                                                      "bfloat16")
+    assert sum(c.key.numel() * 2 * 2 for c in caches) == 64 * kv_cache_bytes_per_block(
+        llm.engine.runner.arch, block_size, "bfloat16")
     outputs = llm.generate([[5, 6, 7, 8] * 10, [9, 10, 11]] * 3,
                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert [len(o.token_ids) for o in outputs] == [12] * 6

@@ -11,8 +11,6 @@ import json
 import logging
 from pathlib import Path
 
-import pytest
-
 from fd_core.engine.async_llm import AsyncLLM
 from fd_core.engine.llm import LLM
 from fd_core.request import FinishReason, SamplingParams

@@ -109,8 +109,8 @@ def test_async_llm_refuses_a_live_duplicate_id(tiny_model_dir):
         with pytest.raises(RequestError, match="already in use"):
             async for _ in llm.generate([5, 6, 7], PARAMS, request_id="dup"):
                 pass
-        async for final in stream:
-            pass
+        async for output in stream:
+            final = output
         return final
 
     try:

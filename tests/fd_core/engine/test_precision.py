@@ -136,4 +136,5 @@ def test_docs_precision_md_holds_the_modes_table() -> None:
     from fd_core.precision import modes_table
 
     text = (Path(__file__).resolve().parents[3] / "docs" / "precision.md").read_text()
-    assert modes_table() in text, "regenerate the table: python -c 'from fd_core.precision import modes_table; print(modes_table())'"
+    assert modes_table() in text, ("regenerate the table: "
+                                   "python -c 'from fd_core.precision import modes_table; print(modes_table())'")

@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 
 from fd_core.config import load_config
-from fd_core.engine.builder import build_engine
 from fd_core.engine.llm import LLM
-from fd_core.errors import ConfigError
 from fd_core.model.kernels import select_kernels
 from fd_core.model.llama import LlamaForCausalLM, layer_runs
 from fd_core.request import SamplingParams
@@ -34,7 +32,8 @@ def _needs_cpp_kernels() -> None:
 def tiny_gguf(tiny_model_dir, tmp_path_factory) -> str:
     """The tiny model as a GGUF like the default model's: Q4_1 projections, Q8_0 embedding and head."""
     path = tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf"
-    return str(write_tiny_gguf(path, tiny_model_dir, tensor_type="Q4_1", tensor_types={"token_embd.weight": "Q8_0", "output.weight": "Q8_0"}))
+    return str(write_tiny_gguf(path, tiny_model_dir, tensor_type="Q4_1",
+                               tensor_types={"token_embd.weight": "Q8_0", "output.weight": "Q8_0"}))
 
 
 def _llm(source: str, quantized_weights: str, linear_weights: str = "float32", linear_inputs: str = "float32",
@@ -76,7 +75,8 @@ def test_kept_blocks_answer_as_the_dequantized_weights_and_free_every_block(tiny
 
 # 93 prompt tokens: the prefill step runs fused too (steps of 128 tokens or more run op by op,
 # where the quantized linear hands its matmuls to MKL); no prefix caching, so reruns take the same steps
-@pytest.mark.parametrize("prompts", [PROMPTS[:2] + [list(range(40, 90))], PROMPTS], ids=["fused-prefill", "big-prefill"])
+@pytest.mark.parametrize("prompts", [PROMPTS[:2] + [list(range(40, 90))], PROMPTS],
+                         ids=["fused-prefill", "big-prefill"])
 def test_the_fused_layer_equals_the_op_by_op_layer_exactly(tiny_gguf, prompts: list[list[int]]) -> None:
     _needs_cpp_kernels()
     llm = _llm(tiny_gguf, "keep", enable_prefix_caching=False)
@@ -136,7 +136,8 @@ def test_bfloat16_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_mod
 
 
 # 93 prompt tokens: fused prefill; 100: op by op, the int8 values through MKL's sgemm
-@pytest.mark.parametrize("prompts", [PROMPTS[:2] + [list(range(40, 90))], PROMPTS], ids=["fused-prefill", "big-prefill"])
+@pytest.mark.parametrize("prompts", [PROMPTS[:2] + [list(range(40, 90))], PROMPTS],
+                         ids=["fused-prefill", "big-prefill"])
 def test_int8_inputs_run_fused_equal_the_op_by_op_layer_and_free_every_block(tiny_gguf, prompts) -> None:
     _needs_cpp_kernels()
     llm = _llm(tiny_gguf, "keep", linear_inputs="int8", enable_prefix_caching=False)

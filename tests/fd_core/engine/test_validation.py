@@ -25,7 +25,8 @@ def test_prompt_longer_than_max_model_len_is_rejected(llm):
 
 
 def test_max_tokens_that_cannot_fit_is_rejected(llm):
-    with pytest.raises(RequestError, match=r"prompt \(100 tokens\) \+ max_tokens \(50\) = 150 exceeds max_model_len \(128\)") as info:
+    with pytest.raises(RequestError, match=r"prompt \(100 tokens\) \+ max_tokens \(50\) = 150 "
+                                           r"exceeds max_model_len \(128\)") as info:
         llm.generate([[5] * 100], SamplingParams(max_tokens=50))
     assert info.value.field == "max_tokens"
 

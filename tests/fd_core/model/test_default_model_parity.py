@@ -83,7 +83,7 @@ def test_greedy_tokens_match_transformers_through_the_chat_template(engine, hf_m
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
                for q in QUESTIONS]
     ours = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-    matches = [r.token_ids == _hf_greedy(hf_model, p) for r, p in zip(ours, prompts)]
+    matches = [r.token_ids == _hf_greedy(hf_model, p) for r, p in zip(ours, prompts, strict=True)]
     assert sum(matches) >= 4, f"only {sum(matches)}/{len(prompts)} prompts matched: {matches}"
     assert matches[0], "the France question must match exactly"
     assert "Paris" in ours[0].text

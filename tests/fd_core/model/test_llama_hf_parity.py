@@ -155,7 +155,7 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path: Path, variant: st
 
     assert any(len(set(t)) > 4 for t in expected_tokens), "greedy output is degenerate"
     assert tokens == expected_tokens
-    for ours, theirs in zip(logits, expected_logits):
+    for ours, theirs in zip(logits, expected_logits, strict=True):
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
@@ -167,7 +167,8 @@ def _prompts(arch: LlamaArchConfig) -> list[list[int]]:
     return prompts
 
 
-NEEDS_CPP_KV = pytest.mark.skipif(HOST_KERNELS.reads_gather_inputs, reason="a bfloat16 or int8 KV cache needs the C++ kernels")
+NEEDS_CPP_KV = pytest.mark.skipif(HOST_KERNELS.reads_gather_inputs,
+                                  reason="a bfloat16 or int8 KV cache needs the C++ kernels")
 
 
 @pytest.mark.parametrize(("kv_dtype", "linear_weights", "linear_inputs", "attention_inputs", "head_dim"), [

@@ -9,7 +9,6 @@ from fd_core.model.llama import LlamaForCausalLM
 from fd_core.outputs import ScheduledRequest, StepPlan
 from fd_core.request import Request
 from fd_core.runner.model_runner import ModelRunner
-
 from tests.fd_core.model.tiny_llama import GreedySampler, random_weights, tiny_arch
 
 PROMPT_LENS = (5, 17, 40, 70, 131)

@@ -68,7 +68,7 @@ class GreedySampler:
     def sample(self, logits, requests: list[Request]) -> list[SampledToken]:
         rows = logits.numpy()
         assert rows.shape[0] == len(requests)
-        for row, req in zip(rows, requests):
+        for row, req in zip(rows, requests, strict=True):
             self.logits.setdefault(req.request_id, []).append(row)
         return [SampledToken(token_id=int(row.argmax())) for row in rows]
 

@@ -151,7 +151,8 @@ def test_a_client_that_leaves_a_non_streaming_request_aborts_the_backends_reques
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(router.url + "/v1/completions", content=json.dumps(LONG), headers=KEY,
                        timeout=httpx.Timeout(5, read=0.3))
-        wait_for(lambda: ends("abort") + ends("length") == aborted + completed + 1, 10, "the request ended")
+        wait_for(lambda aborted=aborted, completed=completed: ends("abort") + ends("length") == aborted + completed + 1,
+                 10, "the request ended")
         if ends("abort") == aborted + 1:
             break
     assert ends("abort") == aborted + 1, "the backend finished the request each time before the router aborted it"

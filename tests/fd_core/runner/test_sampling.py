@@ -141,7 +141,7 @@ def test_greedy_argmax_sees_penalties() -> None:
 
 def _run(sampler: Sampler, rows: np.ndarray, reqs: list[Request], steps: int) -> list[list[int]]:
     for step in range(steps):
-        for req, tok in zip(reqs, sampler.sample(paddle.to_tensor(rows[step]), reqs)):
+        for req, tok in zip(reqs, sampler.sample(paddle.to_tensor(rows[step]), reqs), strict=True):
             req.output_token_ids.append(tok.token_id)
     return [r.output_token_ids for r in reqs]
 
@@ -176,7 +176,7 @@ def test_logprobs_are_raw_log_softmax() -> None:
             _request("t", temperature=0.5, top_k=10, logprobs=3, repetition_penalty=1.5),
             _request("z", temperature=1.0, logprobs=0)]
     out = Sampler(seed=0).sample(paddle.to_tensor(logits), reqs)
-    for row, (tok, req) in enumerate(zip(out, reqs)):
+    for row, (tok, req) in enumerate(zip(out, reqs, strict=True)):
         ref = _log_softmax(logits[row])
         assert tok.logprob == pytest.approx(ref[tok.token_id], abs=1e-5)
         n = req.sampling_params.logprobs
@@ -211,7 +211,7 @@ def test_greedy_rows_below_min_tokens_skip_only_their_blocked_ids(dtype: str) ->
     tensor = paddle.to_tensor(logits).astype(dtype)
     seen = tensor.astype("float32").numpy()
     expected = []
-    for row, request in enumerate(requests):
+    for row in range(len(requests)):
         x = seen[row].copy()
         if row != 3:
             x[[5, 7]] = -np.inf

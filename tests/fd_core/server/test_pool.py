@@ -165,7 +165,9 @@ def test_kill_9_of_the_origin_stops_its_requests_on_the_peer(pool) -> None:
     os.kill(a.engine_pid(), signal.SIGKILL)
     os.kill(a.proc.pid, signal.SIGKILL)
     for future in futures:
-        with pytest.raises(Exception):   # A's clients lose their connection with A
+        # A's clients lose their connection with A. A blind Exception is meant (B017): the error depends on where
+        # the stream was cut (a transport error from httpx, or an error event if A's server saw its engine die).
+        with pytest.raises(Exception):  # noqa: B017
             future.result(timeout=REQUEST_TIMEOUT_S)
     workers.shutdown()
     _wait_for(lambda: _figure(b, "fd_scheduler_holding_for_peers") == 0, "B to give A's requests up", timeout=15)

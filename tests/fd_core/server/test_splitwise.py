@@ -18,10 +18,10 @@ import pytest
 
 from fd_core.request import SamplingParams
 from fd_core.testing.redis_server import RedisServer, redis_server_path
+from tests.fd_core.router.conftest import RouterProcess
 from tests.fd_core.server.conftest import TINY_ARGS, ServerProcess, start_server
 from tests.fd_core.server.test_pool import PROMPTS, _wait_for
 from tests.fd_core.server.test_requests import metric, metrics
-from tests.fd_core.router.conftest import RouterProcess
 
 MAX_TOKENS = 24
 #: Short hand-off timers, so that a dead peer is given up within a few seconds.

@@ -136,8 +136,8 @@ def test_zmq_carries_the_kv_between_two_hosts(tiny_model, hosts, tmp_path):
         want = [r.text for r in LLM(str(tiny_model), cache={"num_blocks": 256}).generate(
             PROMPTS[:4], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))]
         got = [httpx.post(decode.url + "/v1/completions", timeout=60, json={
-            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
-            for prompt in PROMPTS[:4]]
+            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        }).json()["choices"][0]["text"] for prompt in PROMPTS[:4]]
         assert got == want
         on_prefill = metrics(prefill.url)
         assert metric(on_prefill, "fd_splitwise_jobs_done_total") == 4

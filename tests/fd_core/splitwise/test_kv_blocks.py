@@ -18,7 +18,9 @@ def _caches(dtype: str, seed: int) -> list[LayerKVCache]:
 
     def tensor() -> paddle.Tensor:
         values = rng.standard_normal((6, 2, 4, 8)).astype(np.float32)
-        return paddle.to_tensor(int8_cache.quantize(values)) if dtype == "int8" else paddle.to_tensor(values).astype(dtype)
+        if dtype == "int8":
+            return paddle.to_tensor(int8_cache.quantize(values))
+        return paddle.to_tensor(values).astype(dtype)
 
     return [LayerKVCache(tensor(), tensor()) for _ in range(3)]
 

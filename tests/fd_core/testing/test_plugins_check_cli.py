@@ -74,7 +74,8 @@ def test_options_come_from_the_config_file_and_dotted_flags(redis_server, tmp_pa
     result = _check("scheduler/global", "--scheduler.options", options, "--skip", "ttl_expiry")
     assert result.returncode == 0, result.stdout + result.stderr
     assert _row(result.stdout, "order_hook")[0] == "passed"
-    assert _row(result.stdout, "ttl_expiry") == ("skipped", "expired requests are answered, never handed out — skipped on request")
+    assert _row(result.stdout, "ttl_expiry") == (
+        "skipped", "expired requests are answered, never handed out — skipped on request")
 
 
 @pytest.mark.parametrize(("args", "words"), [

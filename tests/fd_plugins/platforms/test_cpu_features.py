@@ -20,7 +20,7 @@ INTEL_XEON = """processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
 flags\t\t: fpu sse sse2 fma avx avx2 avx_vnni avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
-"""
+"""  # noqa: E501
 
 
 def test_amd_epyc_has_avx2_and_fma_only() -> None:
