@@ -74,6 +74,9 @@ def cache_dir(flags: tuple[str, ...]) -> Path:
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(_BASE_FLAGS + flags).encode())
+    # the library links to this Paddle installation's libraries by path (rpath), and Paddle's build
+    # rebuilds when its include paths change: two virtualenvs sharing one folder rebuilt it in turn
+    digest.update(str(paddle_libs()).encode())
     isa = "-".join(flag.removeprefix("-m") for flag in flags) or "baseline"
     root = os.environ.get("FD_CACHE_DIR")
     base = (Path(root) if root else Path.home() / ".cache" / "fd-engine") / "kernels"
