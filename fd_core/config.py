@@ -235,7 +235,7 @@ class ServerSection(_Section):
     @field_validator("api_key")
     @classmethod
     def _api_key_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
-        # "" would let a bare "Authorization: Bearer" in, and "  " would lock everyone out (issue 9)
+        # "" would let a bare "Authorization: Bearer" in, and "  " would lock everyone out
         if value is not None and not value.get_secret_value().strip():
             raise ValueError("must not be empty or blank; leave it unset to serve without a key")
         return value

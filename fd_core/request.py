@@ -104,7 +104,8 @@ class SamplingParams:
         for ok, name, rule in checks:
             if not ok:
                 raise ValueError(f"{name}: {rule}, got {getattr(self, name)!r}")
-        # Sizes: what one request makes the engine hold and scan (issue 9); named without the values
+        # Sizes: what one request makes the engine hold and scan, bounded so that one request cannot
+        # stall the engine for everyone; errors name the limit without echoing the values
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings per request, got {len(self.stop)}")
         longest = max(map(len, self.stop), default=0)

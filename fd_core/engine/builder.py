@@ -37,7 +37,7 @@ DEFAULT_MAX_MODEL_LEN = 2048
 ACTIVATION_RESERVE_BYTES = 512 << 20
 #: With ``cache.memory_utilization`` unset, the largest KV pool in host memory (device "cpu"):
 #: the profile's 0.3 of RAM, capped by max_num_seqs full-length requests, took ~3 GiB for a
-#: 98 MB model and 4 GB of RSS (issue 9). 512 MiB holds ~11k tokens of SmolLM2-135M.
+#: 98 MB model, filling a small machine. 512 MiB holds ~11k tokens of SmolLM2-135M.
 HOST_DEFAULT_KV_CAP_BYTES = 512 << 20
 #: The share of device memory used when ``cache.memory_utilization`` is unset.
 DEFAULT_MEMORY_UTILIZATION = 0.3
