@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 #: The model keys a mode sets.
 MODE_KEYS: Final = ("quantized_weights", "linear_weights", "linear_inputs", "attention_inputs")
 
-#: What a mode may need: a float32 model, a GGUF source, fd-engine's C++ kernels.
-FLOAT32_MODEL: Final = "a float32 model (model.dtype)"
-GGUF_SOURCE: Final = "a GGUF model"
-CPP_KERNELS: Final = "the C++ kernels"
+#: What a mode may need (as the docs and errors say it): a float32 model, a GGUF source, the C++ kernels.
+NEED_FLOAT32: Final = "a float32 model (model.dtype)"
+NEED_GGUF: Final = "a GGUF model"
+NEED_CPP: Final = "the C++ kernels"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ class PrecisionMode:
     stores: str                # what is kept in memory
     rounds: str                # what is rounded on the way
     exactness: str             # against float32's outputs
-    needs: tuple[str, ...]     # FLOAT32_MODEL, GGUF_SOURCE, CPP_KERNELS
+    needs: tuple[str, ...]     # NEED_FLOAT32, NEED_GGUF, NEED_CPP
 
     def setting(self, key: str) -> str:
         """The value this mode gives ``model.<key>`` (a key of :data:`MODE_KEYS`)."""
@@ -56,25 +56,25 @@ MODES: Final[dict[str, PrecisionMode]] = {mode.name: mode for mode in (
     PrecisionMode("bf16-weights", "dequantize", "bfloat16", "float32", "float32", "auto",
                   "projection and head weights in bfloat16 (half their bytes)",
                   "those weights, once at load; products and sums stay float32",
-                  "close to, not identical with, float32", (FLOAT32_MODEL,)),
+                  "close to, not identical with, float32", (NEED_FLOAT32,)),
     PrecisionMode("bf16", "dequantize", "bfloat16", "bfloat16", "bfloat16", "bfloat16",
                   "projection and head weights and the KV cache in bfloat16",
                   "weights, linear inputs and attention queries (AMX tiles or vdpbf16ps where the CPU has "
                   "them); sums and softmax stay float32",
-                  "further from float32 than bf16-weights (as vLLM's bfloat16)", (FLOAT32_MODEL, CPP_KERNELS)),
+                  "further from float32 than bf16-weights (as vLLM's bfloat16)", (NEED_FLOAT32, NEED_CPP)),
     PrecisionMode("int8", "dequantize", "int8", "int8", "float32", "auto",
                   "projection and head weights as int8 codes within [-64, 64], a scale per output channel",
                   "weights per output channel, each input row to uint8 (scale and zero point); exact integer sums",
-                  "the least exact mode (~93% top-1 agreement with float32 on SmolLM2-135M)", (FLOAT32_MODEL,)),
+                  "the least exact mode (~93% top-1 agreement with float32 on SmolLM2-135M)", (NEED_FLOAT32,)),
     PrecisionMode("gguf-blocks", "keep", "float32", "float32", "float32", "auto",
                   "a GGUF's Q4_0 / Q4_1 / Q8_0 matrices in their blocks (4-7x fewer weight bytes)",
                   "nothing: the blocks are widened in registers; only the order of the sums differs",
-                  "the same weight values as float32 of that file", (FLOAT32_MODEL, GGUF_SOURCE, CPP_KERNELS)),
+                  "the same weight values as float32 of that file", (NEED_FLOAT32, NEED_GGUF, NEED_CPP)),
     PrecisionMode("gguf-blocks-int8", "keep", "float32", "int8", "float32", "auto",
                   "as gguf-blocks",
                   "the inputs of the kept matrices to int8 in blocks of 32 (as llama.cpp does), for integer "
                   "dot products (VNNI where the CPU has it)",
-                  "as llama.cpp's on the same file", (FLOAT32_MODEL, GGUF_SOURCE, CPP_KERNELS)),
+                  "as llama.cpp's on the same file", (NEED_FLOAT32, NEED_GGUF, NEED_CPP)),
 )}
 
 #: What ``model.precision`` reports for a combination of the old keys that no mode names.
@@ -156,10 +156,10 @@ def precision_problems(config: FdConfig, platform: Platform | None) -> list[tupl
     cpp_problem = _cpp_kernels_problem(platform)
     if cpp_problem is not None:
         if kept:
-            problems.append((key_of("quantized_weights"), f"keeping GGUF blocks needs {CPP_KERNELS}: {cpp_problem}"))
+            problems.append((key_of("quantized_weights"), f"keeping GGUF blocks needs {NEED_CPP}: {cpp_problem}"))
         if stored != model.dtype:
             problems.append(("cache.dtype" if config.cache.dtype != "auto" else "model.precision",
-                             f"a {stored} KV cache with a {model.dtype} model needs {CPP_KERNELS}: {cpp_problem}"))
+                             f"a {stored} KV cache with a {model.dtype} model needs {NEED_CPP}: {cpp_problem}"))
     return problems
 
 
@@ -184,12 +184,12 @@ def _kept_blocks_problems(config: FdConfig, key: str) -> list[tuple[str, str]]:
     problems = []
     try:
         if model_source_kind(config.model.source) == "folder":
-            problems.append((key, f"keeping GGUF blocks needs {GGUF_SOURCE}; {config.model.source!r} is a "
+            problems.append((key, f"keeping GGUF blocks needs {NEED_GGUF}; {config.model.source!r} is a "
                                   "Hugging Face folder"))
     except ModelLoadError:
         pass   # reported under model.source
     if config.model.dtype != "float32":
-        problems.append((key, f"keeping GGUF blocks needs {FLOAT32_MODEL}, not {config.model.dtype!r}"))
+        problems.append((key, f"keeping GGUF blocks needs {NEED_FLOAT32}, not {config.model.dtype!r}"))
     return problems
 
 
