@@ -34,8 +34,11 @@ def _default(field: Any) -> str:
 
 
 def _type(field: Any) -> str:
+    """The key's type in words a user writes, never a library's module path (which moves between
+    releases)."""
     return (str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            .replace("pydantic.types.ByteSize", "int | str (bytes)"))
+            .replace("pydantic.types.ByteSize", "int | str (bytes)")
+            .replace("pydantic.types.SecretStr", "str (secret)"))
 
 
 def sections() -> Iterator[tuple[str, str]]:
