@@ -11,6 +11,7 @@ hand-offs (binds its connector and publishes itself in the peer directory).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from fd_core.contracts.resource_manager import KVLimits
 from fd_core.errors import ConfigError
+from fd_core.host_memory import release_freed_memory
 from fd_core.precision import kernel_problems, kv_cache_dtype
 
 if TYPE_CHECKING:
@@ -102,6 +104,10 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
                          kernels=kernels, linear_weights=config.model.linear_weights,
                          linear_inputs=config.model.linear_inputs,
                          attention_inputs=config.model.attention_inputs)
+    loaded.weights.clear()   # the runner holds what it needs: the load-time arrays are garbage now
+    gc.collect()
+    if release_freed_memory():
+        log.info("gave the memory freed after loading back to the system")
     report(f"warm-up forward pass (kernels: {kernels.describe()})")
     warm_up_s = runner.warm_up()
     log.info("warm-up: a %d-token prefill and a decode step took %.2f s", WARMUP_PROMPT_TOKENS, warm_up_s)

@@ -7,13 +7,15 @@ in anew: ~490k minor faults and over half the time of a 128-row decode step on 2
 both off (``mallopt``) keeps freed memory in the heap, where the next step reuses it already
 mapped; the process's resident size settles at its largest step instead. This is done in the
 engine's own process, so nothing has to be exported or preloaded; allocators that are not
-glibc's (tcmalloc, jemalloc preloaded by the user) are left alone.
+glibc's (tcmalloc, jemalloc preloaded by the user) are left alone. The load-time garbage this
+would keep too is given back once, after loading (``fd_core.host_memory``).
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Final
+
+from fd_core.host_memory import glibc
 
 # mallopt parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD: Final = -1
@@ -25,20 +27,9 @@ _NEVER_TRIM: Final = 2**31 - 1
 _TOP_PAD_BYTES: Final = 64 << 20
 
 
-def _glibc() -> ctypes.CDLL | None:
-    """The process's C library when it is glibc (it has ``gnu_get_libc_version``), else None."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version.restype = ctypes.c_char_p
-        libc.gnu_get_libc_version()
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
 def keep_freed_memory() -> str:
     """Tune glibc's malloc as the module docstring says; returns what was done, for the log."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return "allocator left as is (not glibc)"
     preloaded = _preloaded_allocator()
