@@ -295,10 +295,13 @@ class EngineCore:
                 log.exception("could not admit %r", request)
                 refused.append((request, FinishReason.ERROR, f"could not admit the request: {exc}", None))
                 continue
-            refusal = self._hooks.refusal("fd_request_added", request=request)
-            if refusal is not None:
-                refused.append((request, FinishReason.ERROR, f"the request was refused by {refusal}", None))
+            refused += self._tell_added(request)
         self._route(self._end(refused))
+
+    def _tell_added(self, request: Request) -> list[_Ending]:
+        """``fd_request_added`` for an admitted request: the ending of a request a plugin refused, or none."""
+        refusal = self._hooks.refusal("fd_request_added", request=request)
+        return [] if refusal is None else [(request, FinishReason.ERROR, f"the request was refused by {refusal}", None)]
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         self._num_steps += 1
@@ -339,9 +342,7 @@ class EngineCore:
             self._unrouted.add(request.request_id)
             self._in_engine[request.request_id] = request
             self.resource_manager.add_request(request)
-            refusal = self._hooks.refusal("fd_request_added", request=request)
-            if refusal is not None:
-                refused.append((request, FinishReason.ERROR, f"the request was refused by {refusal}", None))
+            refused += self._tell_added(request)
         outputs = self._end(refused + [(request, reason, error, None) for request, reason, error in events.ends])
         if events.first_tokens:
             outputs += self._first_tokens(events.first_tokens)
