@@ -192,6 +192,14 @@ class PlatformSection(SeamSection):
     name: str = Field("auto", description="'auto' picks the available platform of highest priority.")
 
 
+class ArchitectureSection(SeamSection):
+    """The model-architecture plugin (fd.models) that runs the checkpoint."""
+
+    name: str = Field("auto", description=(
+        "'auto': the installed plugin that declares the checkpoint's architecture (a third-party one before "
+        "the built-in); a plugin's name runs every checkpoint with it."))
+
+
 class SplitwiseSection(_Section):
     """Prefill/decode disaggregation: this instance's role and the hand-off's time limits."""
 
@@ -319,6 +327,7 @@ class FdConfig(BaseSettings):
     connector: ConnectorSection = ConnectorSection()
     splitwise: SplitwiseSection = SplitwiseSection()
     platform: PlatformSection = PlatformSection()
+    architecture: ArchitectureSection = ArchitectureSection()
     parallel: ParallelSection = ParallelSection()
     server: ServerSection = ServerSection()
     plugins: PluginsSection = PluginsSection()

@@ -23,6 +23,7 @@ Versions (``fd_core.compat`` lists what each changed; ``CHANGELOG.md`` says how 
 * 1 — the first release.
 * 2 — the engine core alone ends requests (token processor and resource manager contracts).
 * 3 — the ``Connector`` contract became the transport of the core's prefill/decode hand-off.
+* 4 — the model-architecture seam (``fd.models``, ``fd_register_models``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 PROJECT_NAME: Final = "fd"
 #: Bumped when a hook or a seam contract changes incompatibly.
-FD_HOOKSPEC_VERSION: Final = 3
+FD_HOOKSPEC_VERSION: Final = 4
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
@@ -68,6 +69,11 @@ def fd_register_connectors() -> list[type]:
 @hookspec
 def fd_register_platforms() -> list[type]:
     """Return Platform classes to register. Added in version 1."""
+
+
+@hookspec
+def fd_register_models() -> list[type]:
+    """Return ModelArchitecture classes to register. Added in version 4."""
 
 
 # --- decisions (firstresult; added in version 1) --------------------------------------------

@@ -43,6 +43,7 @@ SEAMS: Final = (
     Seam("token_processor", "token processor", "token_processors", "TokenProcessor"),
     Seam("connector", "splitwise connector", "connectors", "Connector"),
     Seam("platform", "platform", "platforms", "Platform"),
+    Seam("architecture", "model architecture", "models", "ModelArchitecture"),
 )
 #: Seam name -> its descriptor.
 BY_NAME: Final = {seam.name: seam for seam in SEAMS}

@@ -27,9 +27,13 @@ from fd_core.registry import SEAM_GROUPS, Registry
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
     from fd_core.contracts.platform import Platform
+    from fd_core.model.architectures import ArchitecturePlugins
 
+CONNECTOR, ARCHITECTURE = "connector", "architecture"
 #: Connector name meaning "not a split deployment".
 NO_CONNECTOR = "none"
+#: Architecture name meaning "the plugin that declares the checkpoint's architecture".
+AUTO_ARCHITECTURE = "auto"
 #: Parallel sizes this build runs (a larger one must fail here, not after loading the model).
 RUNNABLE_PARALLEL_SIZE = 1
 
@@ -62,6 +66,13 @@ class Selection:
 
     def __getitem__(self, seam: str) -> SelectedPlugin:
         return self.plugins[seam]
+
+    def architecture_plugins(self) -> ArchitecturePlugins:
+        """The architecture plugins a model load may use: the named one, or every installed one."""
+        from fd_core.model.architectures import ArchitecturePlugins
+
+        named = self.plugins.get(ARCHITECTURE)
+        return ArchitecturePlugins(self.registry, named.create() if named is not None else None)
 
     def summary(self) -> dict[str, str]:
         """Seam -> selected plugin name, for ``--check`` and logs."""
@@ -118,10 +129,10 @@ class _OptionsError(Exception):
 
 def _select(config: FdConfig, selection: Selection, seam: str, *, apply_worker_env: bool) -> None:
     section = config.seam_section(seam)
-    if seam == "connector" and section.name == NO_CONNECTOR:
+    if (seam, section.name) in ((CONNECTOR, NO_CONNECTOR), (ARCHITECTURE, AUTO_ARCHITECTURE)):
         if section.options:
-            raise ConfigError("connector.options", f"given, but connector.name is {NO_CONNECTOR!r}; "
-                              "name the connector they are for, or remove them")
+            raise ConfigError(f"{seam}.options", f"given, but {seam}.name is {section.name!r}; "
+                              f"name the {seam} plugin they are for, or remove them")
         return
     if seam == "platform" and section.name == "auto":
         name, selection.platform_reason = _auto_platform(selection.registry)

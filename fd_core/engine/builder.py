@@ -25,9 +25,9 @@ from fd_core.precision import kernel_problems, kv_cache_dtype
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
+    from fd_core.contracts.architecture import ModelShape
     from fd_core.contracts.platform import Platform
     from fd_core.engine.core import EngineCore
-    from fd_core.model.arch import LlamaArchConfig
     from fd_core.model.kernels import KernelSet
     from fd_core.registry import Registry
 
@@ -87,7 +87,8 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     stage = f"loading the model {config.model.source!r}"
     report(stage)
     log.info("%s", stage)
-    loaded = load_model(config.model.source, keep_quantized=config.model.quantized_weights == "keep")
+    loaded = load_model(config.model.source, keep_quantized=config.model.quantized_weights == "keep",
+                        plugins=selection.architecture_plugins())
     arch = loaded.arch
     max_model_len = _max_model_len(config, arch)
     kv = plan_kv_pool(config, arch, platform, max_model_len=max_model_len,
@@ -98,7 +99,8 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     from fd_core.runner.model_runner import WARMUP_PROMPT_TOKENS, ModelRunner
     from fd_core.runner.sampling import Sampler
 
-    runner = ModelRunner(arch, loaded.weights, num_blocks=kv.num_blocks, block_size=config.cache.block_size,
+    runner = ModelRunner(loaded.architecture, arch, loaded.weights, num_blocks=kv.num_blocks,
+                         block_size=config.cache.block_size,
                          dtype=config.model.dtype, kv_dtype=kv_cache_dtype(config), device=platform.device_string(),
                          sampler=Sampler(seed=config.model.seed), num_threads=platform.num_threads(),
                          kernels=kernels, linear_weights=config.model.linear_weights,
@@ -151,7 +153,7 @@ def choose_kernels(platform: Platform, platform_reason: str, worker_env: dict[st
     return kernels
 
 
-def _max_model_len(config: FdConfig, arch: LlamaArchConfig) -> int:
+def _max_model_len(config: FdConfig, arch: ModelShape) -> int:
     wanted = config.model.max_model_len
     if wanted is None:
         return min(arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -198,7 +200,7 @@ def _plan_from_memory(memory: int, platform: Platform, per_block: int, blocks_pe
     return KVPlan(blocks, per_block, "cache.memory")
 
 
-def plan_kv_pool(config: FdConfig, arch: LlamaArchConfig, platform: Platform, *, max_model_len: int,
+def plan_kv_pool(config: FdConfig, arch: ModelShape, platform: Platform, *, max_model_len: int,
                  weights_bytes: int) -> KVPlan:
     """Number of KV blocks: ``cache.num_blocks`` if set, else what ``cache.memory`` or the memory
     profile allows.

@@ -1,20 +1,18 @@
 """The shape of a decoder-only Llama-family model, independent of where its weights come from.
 
-Both loaders (Hugging Face folders and GGUF files) produce a :class:`LlamaArchConfig` and a
-dict of float32 numpy weights keyed by Hugging Face tensor names; the Paddle model consumes
-exactly that, so a loader and the model never need to know about each other.
+The Llama-family plugin (``fd_plugins.models.llama``) parses Hugging Face configs and GGUF
+metadata into a :class:`LlamaArchConfig`; the loaders produce a dict of float32 numpy weights
+keyed by Hugging Face tensor names, and the Paddle model consumes exactly that, so a loader and
+the model never need to know about each other.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-#: Hugging Face ``architectures`` entries the Llama-family model runs.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "MistralForCausalLM",
-)
+from fd_core.model.rope import RopeScaling
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +23,10 @@ class LlamaArchConfig:
     ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (+ ``.bias`` for q/k/v when
     ``attention_bias``), ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``,
     ``model.layers.{i}.{input,post_attention}_layernorm.weight``, ``model.norm.weight`` and
-    ``lm_head.weight`` (absent when ``tie_word_embeddings``). Linear weights are ``[out, in]``.
+    ``lm_head.weight`` (absent when ``tie_word_embeddings``), with ``qk_norm``
+    ``model.layers.{i}.self_attn.{q,k}_norm.weight`` (``[head_dim]``, Qwen3). Linear weights are
+    ``[out, in]``. ``max_position_embeddings`` is the context the model serves (see
+    :meth:`~fd_core.model.rope.RopeScaling.context_length`).
     """
 
     architecture: str  # e.g. "LlamaForCausalLM"
@@ -41,6 +42,10 @@ class LlamaArchConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has q/k/v biases
+    output_bias: bool = False     # o_proj has a bias too (Llama / Qwen3 with attention_bias)
+    qk_norm: bool = False         # Qwen3: per-head RMSNorm of queries and keys before RoPE
+    rope_type: str = "default"    # a type of fd_core.model.rope.KEYS, its settings in rope_params
+    rope_params: Mapping[str, Any] = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -50,6 +55,11 @@ class LlamaArchConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+
+    @property
+    def rope(self) -> RopeScaling:
+        """The rotary embedding's base and scaling."""
+        return RopeScaling(self.rope_theta, self.rope_type, self.rope_params)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -1,8 +1,11 @@
 """Read a llama GGUF file into a :class:`LlamaArchConfig`, float32 weights and its metadata.
 
-Tensors are dequantized at load (F32, F16, Q8_0, Q4_0, Q4_1) and renamed to Hugging Face
-names; with ``keep_quantized`` the matrices the model multiplies by (projections, the embedding
-/ head) stay in their Q8_0 / Q4_0 / Q4_1 blocks as :class:`~fd_kernels.quantized.BlockQuantized`.
+Tensors of every type gguf-py dequantizes (:func:`supported_tensor_types`: F32, F16, BF16,
+Q4_0-Q8_0, the K-quants Q2_K-Q6_K, IQ quants...) are dequantized at load and renamed to Hugging
+Face names (a file holding any other type is refused before any is dequantized); with
+``keep_quantized`` the matrices the model multiplies by (projections, the embedding / head) that
+are Q8_0 / Q4_0 / Q4_1 stay in their blocks as :class:`~fd_kernels.quantized.BlockQuantized`
+(other types, such as the Q6_K head of a Q4_0 file, are float32 either way).
 llama.cpp's converter stores ``attn_q``/``attn_k`` rows permuted for interleaved (GPT-J style)
 RoPE; they are permuted back here so the weights match Hugging Face's ``rotate_half`` layout,
 which is what the model implements.
@@ -10,6 +13,7 @@ which is what the model implements.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -24,8 +28,6 @@ from fd_kernels.quantized import BlockQuantized, from_gguf_blocks
 if TYPE_CHECKING:
     import gguf
 
-#: GGML tensor types this loader dequantizes; anything else is refused before any work.
-SUPPORTED_TENSOR_TYPES: Final = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 #: The types ``keep_quantized`` keeps in their blocks.
 KEPT_TENSOR_TYPES: Final = ("Q8_0", "Q4_0", "Q4_1")
 
@@ -67,11 +69,12 @@ def load_gguf(path: str | Path, *, keep_quantized: bool = False,
     architecture = metadata.get("general.architecture")
     if architecture != "llama":
         raise ModelLoadError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: llama")
+    supported = supported_tensor_types()
     for tensor in reader.tensors:
-        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+        if tensor.tensor_type.name not in supported:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which is not "
-                f"supported; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+                f"supported; supported types: {', '.join(supported)}"
             )
     arch = _arch_config(path, metadata, {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors})
     weights = {}
@@ -80,6 +83,26 @@ def load_gguf(path: str | Path, *, keep_quantized: bool = False,
         keep = keep_quantized and len(tensor.shape) == 2 and tensor.tensor_type.name in KEPT_TENSOR_TYPES
         weights[name] = _unpermute(name, _kept(tensor) if keep else _dequantize(tensor), arch)
     return arch, weights, metadata
+
+
+@functools.cache
+def supported_tensor_types() -> tuple[str, ...]:
+    """Names of the GGML tensor types the installed gguf-py dequantizes, in enum order.
+
+    Asked of gguf-py rather than listed here, so a new gguf-py's dequantizers load at once:
+    a type is supported when ``gguf.quants.dequantize`` decodes one zero block of it.
+    """
+    import gguf
+
+    supported = []
+    for qtype in gguf.GGMLQuantizationType:
+        _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros(type_size, np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        supported.append(qtype.name)
+    return tuple(supported)
 
 
 def _arch_config(path: Path, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> LlamaArchConfig:

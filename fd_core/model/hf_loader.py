@@ -1,4 +1,4 @@
-"""Read a Hugging Face model folder into a :class:`LlamaArchConfig` and float32 numpy weights.
+"""Read a Hugging Face model folder: the architecture plugin that runs it, its shape, float32 weights.
 
 The folder holds ``config.json``, ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``) and optionally ``generation_config.json`` (EOS ids).
@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from fd_core.contracts.architecture import ArchitectureConfigError
 from fd_core.errors import ModelLoadError
-from fd_core.model.arch import SUPPORTED_ARCHITECTURES, LlamaArchConfig
+from fd_core.model.architectures import ArchitecturePlugins
+
+if TYPE_CHECKING:
+    from fd_core.contracts.architecture import ModelArchitecture, ModelShape
 
 #: safetensors dtype -> numpy dtype of the stored bits (BF16 is widened after reading).
 _SAFETENSORS_DTYPES: Final[Mapping[str, str]] = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
@@ -25,63 +29,49 @@ _SAFETENSORS_DTYPES: Final[Mapping[str, str]] = {"F32": "<f4", "F16": "<f2", "BF
 _IGNORED_SUFFIXES: Final = ("rotary_emb.inv_freq",)
 
 
-def load_hf_folder(folder: str | Path) -> tuple[LlamaArchConfig, dict[str, np.ndarray]]:
-    """Architecture and float32 weights (Hugging Face names) of the model in ``folder``."""
+def load_hf_folder(folder: str | Path, plugin: ModelArchitecture | None = None,
+                   ) -> tuple[ModelShape, dict[str, np.ndarray]]:
+    """The shape and float32 weights (Hugging Face names, as the plugin's ``prepare_weights`` laid
+    them out) of the model in ``folder``; ``plugin`` default: :func:`hf_architecture`'s choice."""
     folder = Path(folder)
-    arch = read_hf_config(folder)
+    plugin = plugin or hf_architecture(folder)
+    arch = read_hf_config(folder, plugin)
     weights: dict[str, np.ndarray] = {}
     for shard in _weight_files(folder):
         weights.update(read_safetensors(shard))
     for name in [n for n in weights if n.endswith(_IGNORED_SUFFIXES)]:
         del weights[name]
-    if arch.tie_word_embeddings:
+    if getattr(arch, "tie_word_embeddings", False):
         weights.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
-    return arch, weights
+    return arch, plugin.prepare_weights(arch, weights)
 
 
-def read_hf_config(folder: str | Path) -> LlamaArchConfig:
-    """Parse ``config.json`` (and ``generation_config.json`` for EOS ids) of a Llama-family model."""
+def hf_architecture(folder: str | Path, plugins: ArchitecturePlugins | None = None) -> ModelArchitecture:
+    """The architecture plugin (of ``plugins``, default every installed one) for ``config.json``."""
+    path = Path(folder) / "config.json"
+    return (plugins or ArchitecturePlugins()).for_hf(_read_json(path, required=True).get("architectures") or [],
+                                                     str(path))
+
+
+def read_hf_config(folder: str | Path, plugin: ModelArchitecture | None = None) -> ModelShape:
+    """The shape ``plugin`` (default: :func:`hf_architecture`'s choice) parses from ``config.json``
+    and ``generation_config.json``; raises ModelLoadError naming the key it refused."""
     folder = Path(folder)
+    plugin = plugin or hf_architecture(folder)
     config = _read_json(folder / "config.json", required=True)
     generation = _read_json(folder / "generation_config.json", required=False)
-    architectures = config.get("architectures") or []
-    architecture = architectures[0] if architectures else config.get("model_type", "<missing>")
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{folder / 'config.json'}: architecture {architecture!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    rope_scaling = config.get("rope_scaling") or {}
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if rope_type != "default":
-        raise ModelLoadError(f"{folder / 'config.json'}: rope_scaling type {rope_type!r} is not supported")
-    # transformers >= 5 writes rope_theta inside rope_parameters
-    rope_theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    heads = config["num_attention_heads"]
-    eos = generation.get("eos_token_id", config.get("eos_token_id"))
     try:
-        return LlamaArchConfig(
-            architecture=architecture,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_hidden_layers=config["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v biases and its config has no flag for them
-            attention_bias=config.get("attention_bias", architecture == "Qwen2ForCausalLM"),
-            bos_token_id=generation.get("bos_token_id", config.get("bos_token_id")),
-            eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or ()),
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"{folder / 'config.json'}: missing key {e.args[0]!r}") from e
-    except ValueError as e:
-        raise ModelLoadError(f"{folder / 'config.json'}: {e}") from e
+        return plugin.parse_hf_config(config, generation)
+    except ArchitectureConfigError as e:
+        raise ModelLoadError(f"{folder / 'config.json'}: {e} (architecture plugin {plugin.name!r})") from e
+
+
+def read_eos_token_ids(folder: str | Path) -> tuple[int, ...]:
+    """The EOS ids ``generation_config.json`` (else ``config.json``) names, without parsing the model."""
+    folder = Path(folder)
+    generation = _read_json(folder / "generation_config.json", required=False)
+    eos = generation.get("eos_token_id", _read_json(folder / "config.json", required=True).get("eos_token_id"))
+    return tuple([eos] if isinstance(eos, int) else eos or ())
 
 
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:

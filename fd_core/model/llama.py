@@ -31,7 +31,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fd_core.model.kernels import PORTABLE_KERNELS
-from fd_core.model.loader import expected_weight_shapes
+from fd_core.model.rope import rope_tables
 from fd_kernels.quantized import BlockQuantized, stack_rows
 
 if TYPE_CHECKING:
@@ -58,7 +58,9 @@ class _LayerWeights:
     input_norm: paddle.Tensor       # [hidden]
     qkv: Any                        # [hidden, (H + 2 * Hkv) * head_dim]: q (pre-scaled), k, v
     qkv_bias: paddle.Tensor | None  # [(H + 2 * Hkv) * head_dim] when attention_bias, same order
+    qk_norms: tuple[paddle.Tensor, paddle.Tensor] | None  # [head_dim] each when qk_norm (q's pre-scaled)
     o: Any                          # [H * head_dim, hidden]
+    o_bias: paddle.Tensor | None    # [hidden] when output_bias
     post_norm: paddle.Tensor        # [hidden]
     gate_up: Any                    # [hidden, 2 * intermediate]: gate, then up columns
     down: Any                       # [intermediate, hidden]
@@ -91,22 +93,6 @@ def layer_runs(layers: Sequence[_LayerWeights], fused_kernel: Any) -> list[Layer
     return runs
 
 
-def _rope_tables(arch: LlamaArchConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos and signed-sin tables ``[max_position_embeddings, head_dim]`` (float32, as HF computes).
-
-    ``rotate_half(x) * sin == roll(x, head_dim // 2) * signed_sin`` with the first half of
-    ``signed_sin`` negated, which saves the slice/negate/concat of ``rotate_half``.
-    """
-    dim = arch.head_dim
-    inv_freq = (1.0 / (np.float32(arch.rope_theta)
-                       ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
-    freqs = np.arange(arch.max_position_embeddings, dtype=np.float32)[:, None] * inv_freq[None, :]
-    angles = np.concatenate([freqs, freqs], axis=-1).astype(np.float32)
-    sin = np.sin(angles)
-    sin[:, : dim // 2] *= -1
-    return np.cos(angles), sin
-
-
 class LlamaForCausalLM:
     """A Llama-shaped causal LM whose attention reads and writes a paged KV cache."""
 
@@ -129,7 +115,7 @@ class LlamaForCausalLM:
         rounding = {"bfloat16": linear_weights == "bfloat16", "bfloat16_inputs": linear_inputs == "bfloat16",
                     "int8": linear_weights == "int8"}
         int8_inputs = linear_inputs == "int8"
-        expected = expected_weight_shapes(arch)
+        expected = weight_shapes(arch)
         missing = [name for name in expected if name not in weights]
         if missing:
             raise ValueError(f"{len(missing)} weights missing for {arch.architecture}, "
@@ -142,8 +128,10 @@ class LlamaForCausalLM:
         self.arch = arch
         self.dtype = dtype
         self.kernels = kernels
-        # Attention's 1/sqrt(head_dim) is folded into q_proj (RoPE is linear, so it commutes).
+        # Attention's 1/sqrt(head_dim) is folded into q_proj (RoPE is linear, so it commutes), or with
+        # qk_norm into q_norm's weight (the norm would undo a scale before it).
         q_scale = 1.0 / math.sqrt(arch.head_dim)
+        q_proj_scale = 1.0 if arch.qk_norm else q_scale
 
         def tensor(array: np.ndarray | BlockQuantized) -> paddle.Tensor:
             if isinstance(array, BlockQuantized):
@@ -168,17 +156,23 @@ class LlamaForCausalLM:
         for i in range(arch.num_hidden_layers):
             p = f"model.layers.{i}."
             q, k, v = (f"{p}self_attn.{x}_proj" for x in "qkv")
-            qkv = linear(scaled(weights[f"{q}.weight"], q_scale), weights[f"{k}.weight"], weights[f"{v}.weight"])
-            qkv_bias = (tensor(np.concatenate([weights[f"{q}.bias"] * q_scale, weights[f"{k}.bias"],
+            qkv = linear(scaled(weights[f"{q}.weight"], q_proj_scale), weights[f"{k}.weight"], weights[f"{v}.weight"])
+            qkv_bias = (tensor(np.concatenate([weights[f"{q}.bias"] * q_proj_scale, weights[f"{k}.bias"],
                                                weights[f"{v}.bias"]]))
                         if arch.attention_bias else None)
+            qk_norms = ((tensor(weights[f"{p}self_attn.q_norm.weight"] * q_scale),
+                         tensor(weights[f"{p}self_attn.k_norm.weight"])) if arch.qk_norm else None)
             o = linear(weights[f"{p}self_attn.o_proj.weight"])
+            o_bias = tensor(weights[f"{p}self_attn.o_proj.bias"]) if arch.output_bias else None
+            # the fused layer kernel has neither q/k norms nor an o_proj bias: such layers run op by op
+            fusable = qk_norms is None and o_bias is None
             gate_up = linear(weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"])
             down = linear(weights[f"{p}mlp.down_proj.weight"])
             self.layers.append(_LayerWeights(
-                input_norm=tensor(weights[f"{p}input_layernorm.weight"]), qkv=qkv, qkv_bias=qkv_bias, o=o,
+                input_norm=tensor(weights[f"{p}input_layernorm.weight"]), qkv=qkv, qkv_bias=qkv_bias,
+                qk_norms=qk_norms, o=o, o_bias=o_bias,
                 post_norm=tensor(weights[f"{p}post_attention_layernorm.weight"]), gate_up=gate_up, down=down,
-                fused=kernels.decoder_layer.bind([qkv, o, gate_up, down], qkv_bias),
+                fused=kernels.decoder_layer.bind([qkv, o, gate_up, down], qkv_bias) if fusable else None,
             ))
         self.runs = layer_runs(self.layers, kernels.decoder_layer)
         self.norm = tensor(weights["model.norm.weight"])
@@ -189,7 +183,7 @@ class LlamaForCausalLM:
         else:
             self.lm_head = kernels.linear.prepare(self.embed_tokens if arch.tie_word_embeddings else tensor(head),
                                                   transposed=True, **rounding)
-        cos, sin = _rope_tables(arch)
+        cos, sin = rope_tables(arch.rope, arch.head_dim, arch.max_position_embeddings)
         self.rope_cos = tensor(cos)
         self.rope_sin = tensor(sin)
 
@@ -209,6 +203,15 @@ class LlamaForCausalLM:
         """RMSNorm of ``x + residual``; returns (normed, the new residual stream)."""
         return self.kernels.rms_norm(x, weight, self.arch.rms_norm_eps, residual)
 
+    def _qk_norm(self, qkv: paddle.Tensor, q_norm: paddle.Tensor, k_norm: paddle.Tensor) -> paddle.Tensor:
+        """RMSNorm of each query and key head (Qwen3), values untouched: ``qkv [T, H + 2 Hkv, D]``."""
+        heads, kv_heads, head_dim = self.arch.num_attention_heads, self.arch.num_key_value_heads, self.arch.head_dim
+        q, k, v = paddle.split(qkv, [heads, kv_heads, kv_heads], axis=1)
+        eps = self.arch.rms_norm_eps
+        q, _ = self.kernels.rms_norm(q.reshape([-1, head_dim]), q_norm, eps, None)
+        k, _ = self.kernels.rms_norm(k.reshape([-1, head_dim]), k_norm, eps, None)
+        return paddle.concat([q.reshape([-1, heads, head_dim]), k.reshape([-1, kv_heads, head_dim]), v], axis=1)
+
     def _layer(self, x: paddle.Tensor, residual: paddle.Tensor | None, layer: _LayerWeights, cache: LayerKVCache,
                attn: AttentionMetadata, rope_write_kv: Any) -> tuple[paddle.Tensor, paddle.Tensor]:
         """One decoder layer op by op: ``(out, residual stream)``, its K/V written into ``cache``."""
@@ -216,10 +219,12 @@ class LlamaForCausalLM:
         linear = self.kernels.linear
         h, residual = self._norm(x, layer.input_norm, residual)
         qkv = linear(h, layer.qkv, layer.qkv_bias).reshape([num_tokens, -1, head_dim])
+        if layer.qk_norms is not None:
+            qkv = self._qk_norm(qkv, *layer.qk_norms)
         q = rope_write_kv(qkv, cache.key, cache.value)
         out = self.kernels.attention(q, cache.key, cache.value, attn, round_queries=self.round_queries)
-        h, residual = self._norm(linear(out.reshape([num_tokens, heads * head_dim]), layer.o), layer.post_norm,
-                                 residual)
+        h, residual = self._norm(linear(out.reshape([num_tokens, heads * head_dim]), layer.o, layer.o_bias),
+                                 layer.post_norm, residual)
         return self._mlp(h, layer), residual
 
     def forward(self, input_ids: paddle.Tensor, attn: AttentionMetadata,
@@ -256,3 +261,42 @@ class LlamaForCausalLM:
         return logits if self.dtype == "float32" else logits.astype("float32")
 
     __call__ = forward
+
+
+def weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight a model of ``arch`` has (layout documented in arch.py)."""
+    h, q, kv = (
+        arch.hidden_size,
+        arch.num_attention_heads * arch.head_dim,
+        arch.num_key_value_heads * arch.head_dim,
+    )
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
+            p + "mlp.up_proj.weight": (arch.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, arch.intermediate_size),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+        if arch.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
+        if arch.output_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if arch.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (arch.head_dim,), p + "self_attn.k_norm.weight": (arch.head_dim,)}
+    return shapes

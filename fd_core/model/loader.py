@@ -1,8 +1,9 @@
 """Load a model from a source string: a model alias, a Hugging Face folder or a ``.gguf`` file.
 
-:func:`load_model` dispatches to the right reader, builds the tokenizer beside the weights and
-checks that the weights are exactly the set (names and shapes) the architecture needs, so a
-model that loads is a model the Llama-family runner can execute.
+:func:`load_model` dispatches to the right reader, finds the model-architecture plugin that
+runs the checkpoint (``fd_core.model.architectures``), builds the tokenizer beside the weights
+and checks that the weights are exactly the set (names and shapes) the plugin says the
+architecture needs, so a model that loads is a model its plugin can build.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Literal
 
 import numpy as np
 
+from fd_core.contracts.architecture import ModelArchitecture, ModelShape
 from fd_core.errors import ModelLoadError
-from fd_core.model.arch import LlamaArchConfig
+from fd_core.model.architectures import ArchitecturePlugins
 from fd_core.model.default_model import DEFAULT_MODEL_ALIAS, MODEL_ALIASES, resolve_alias
 from fd_core.model.tokenizer import Tokenizer
 from fd_kernels.quantized import BlockQuantized
@@ -24,9 +26,10 @@ from fd_kernels.quantized import BlockQuantized
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """Everything needed to run a model: its shape, weights and tokenizer."""
+    """Everything needed to run a model: the plugin that builds it, its shape, weights and tokenizer."""
 
-    arch: LlamaArchConfig
+    architecture: ModelArchitecture
+    arch: ModelShape
     # Hugging Face names -> float32 arrays (see arch.py), or matrices kept in GGUF blocks
     weights: dict[str, np.ndarray | BlockQuantized]
     tokenizer: Tokenizer
@@ -61,77 +64,49 @@ def model_source_kind(source: str) -> Literal["alias", "folder", "gguf"]:
     )
 
 
-def load_model(source: str = DEFAULT_MODEL_ALIAS, *, keep_quantized: bool = False) -> LoadedModel:
+def load_model(source: str = DEFAULT_MODEL_ALIAS, *, keep_quantized: bool = False,
+               plugins: ArchitecturePlugins | None = None) -> LoadedModel:
     """Load ``source``: an alias from ``MODEL_ALIASES``, a Hugging Face folder or a ``.gguf`` file.
 
     ``keep_quantized``: a GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay in their blocks (see
-    ``fd_core.model.gguf_loader``); a folder's weights are float32 either way.
+    ``fd_core.model.gguf_loader``); a folder's weights are float32 either way. ``plugins``: the
+    architecture plugins to choose from (default: every installed one).
     """
+    plugins = plugins or ArchitecturePlugins()
     kind = model_source_kind(source)
     if kind == "alias":
-        return _load_gguf(resolve_alias(source), keep_quantized)
+        return _load_gguf(resolve_alias(source), keep_quantized, plugins)
     path = Path(source).expanduser()
-    return _load_folder(path) if kind == "folder" else _load_gguf(path, keep_quantized)
+    return _load_folder(path, plugins) if kind == "folder" else _load_gguf(path, keep_quantized, plugins)
 
 
-def _load_folder(folder: Path) -> LoadedModel:
-    from fd_core.model.hf_loader import load_hf_folder
+def _load_folder(folder: Path, plugins: ArchitecturePlugins) -> LoadedModel:
+    from fd_core.model.hf_loader import hf_architecture, load_hf_folder
 
-    arch, weights = load_hf_folder(folder)
+    architecture = hf_architecture(folder, plugins)
+    arch, weights = load_hf_folder(folder, architecture)
     tokenizer = Tokenizer.from_folder(folder, extra_eos_token_ids=arch.eos_token_ids)
     # generation_config.json and tokenizer_config.json may each name an EOS; stop on all of them
     arch = dataclasses.replace(arch, eos_token_ids=tokenizer.eos_token_ids)
-    _check_weights(arch, weights, folder)
-    return LoadedModel(arch=arch, weights=weights, tokenizer=tokenizer, source_path=folder)
+    _check_weights(architecture, arch, weights, folder)
+    return LoadedModel(architecture=architecture, arch=arch, weights=weights, tokenizer=tokenizer,
+                       source_path=folder)
 
 
-def _load_gguf(path: Path, keep_quantized: bool) -> LoadedModel:
+def _load_gguf(path: Path, keep_quantized: bool, plugins: ArchitecturePlugins) -> LoadedModel:
     from fd_core.model.gguf_loader import load_gguf
 
     arch, weights, metadata = load_gguf(path, keep_quantized=keep_quantized)
+    architecture = plugins.for_gguf(metadata["general.architecture"], str(path))
     tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(path))
-    _check_weights(arch, weights, path)
-    return LoadedModel(arch=arch, weights=weights, tokenizer=tokenizer, source_path=path)
+    _check_weights(architecture, arch, weights, path)
+    return LoadedModel(architecture=architecture, arch=arch, weights=weights, tokenizer=tokenizer, source_path=path)
 
 
-def expected_weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every weight a model of ``arch`` has (layout documented in arch.py)."""
-    h, q, kv = (
-        arch.hidden_size,
-        arch.num_attention_heads * arch.head_dim,
-        arch.num_key_value_heads * arch.head_dim,
-    )
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (arch.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
-    for i in range(arch.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
-            p + "mlp.up_proj.weight": (arch.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, arch.intermediate_size),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
-        if arch.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            }
-    return shapes
-
-
-def _check_weights(arch: LlamaArchConfig, weights: dict[str, np.ndarray | BlockQuantized], source: Path) -> None:
-    """Raise unless ``weights`` has exactly the names and shapes ``arch`` needs."""
-    expected = expected_weight_shapes(arch)
+def _check_weights(architecture: ModelArchitecture, arch: ModelShape,
+                   weights: dict[str, np.ndarray | BlockQuantized], source: Path) -> None:
+    """Raise unless ``weights`` has exactly the names and shapes ``architecture`` says ``arch`` needs."""
+    expected = architecture.weight_shapes(arch)
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())
     wrong = [
@@ -163,9 +138,9 @@ def load_tokenizer(source: str = DEFAULT_MODEL_ALIAS) -> Tokenizer:
         return _gguf_tokenizer(resolve_alias(source))
     path = Path(source).expanduser()
     if kind == "folder":
-        from fd_core.model.hf_loader import read_hf_config
+        from fd_core.model.hf_loader import read_eos_token_ids
 
-        return Tokenizer.from_folder(path, extra_eos_token_ids=read_hf_config(path).eos_token_ids)
+        return Tokenizer.from_folder(path, extra_eos_token_ids=read_eos_token_ids(path))
     return _gguf_tokenizer(path)
 
 

@@ -2,9 +2,9 @@
 
 :class:`Tokenizer` wraps a ``tokenizers.Tokenizer`` built either from a Hugging Face
 ``tokenizer.json`` (plus ``tokenizer_config.json`` for the chat template and special tokens) or
-from a GGUF file's ``tokenizer.*`` metadata (byte-level BPE only: ``tokenizer.ggml.model ==
-"gpt2"``). Chat templates are Jinja2, rendered in a sandbox with the globals Hugging Face
-templates expect (``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token``...).
+from a GGUF file's ``tokenizer.*`` metadata (``tokenizer.ggml.model`` "gpt2": byte-level BPE;
+"llama": SentencePiece BPE). Chat templates are Jinja2, rendered in a sandbox with the globals
+Hugging Face templates expect (``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token``...).
 """
 
 from __future__ import annotations
@@ -21,8 +21,22 @@ if TYPE_CHECKING:
     import tokenizers
 
 #: GGUF ``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``).
+_TOKEN_TYPE_NORMAL: Final = 1
+_TOKEN_TYPE_UNKNOWN: Final = 2
 _TOKEN_TYPE_CONTROL: Final = 3
 _TOKEN_TYPE_USER_DEFINED: Final = 4
+
+#: SentencePiece's spelling of a space ("▁", U+2581) inside vocabulary entries.
+_SPM_SPACE: Final = "\u2581"
+
+#: Keys a GGUF may set for a SentencePiece vocabulary that :func:`_sentencepiece_bpe` cannot apply,
+#: each with the only value it accepts. llama.cpp ignores them, so a file that sets them to anything
+#: else is tokenized unlike its model's own tokenizer; such a file is refused instead.
+_SPM_REFUSED: Final[Mapping[str, Any]] = {
+    "tokenizer.ggml.pre": "default",  # a regex split before BPE: SentencePiece has none
+    "tokenizer.ggml.remove_extra_whitespaces": False,  # trim and collapse runs of spaces
+    "tokenizer.ggml.precompiled_charsmap": [],  # a normalization table (NFKC and the like)
+}
 
 #: Texts llama.cpp treats as end-of-generation when a GGUF marks them as control tokens.
 _EOG_TEXTS: Final = frozenset(
@@ -121,28 +135,35 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, source: str) -> Tokenizer:
-        """Build a byte-level BPE tokenizer from a GGUF file's ``tokenizer.*`` metadata values."""
-        from tokenizers import AddedToken, decoders, models, processors
-        from tokenizers import Tokenizer as Backend
+        """Build the tokenizer a GGUF file's ``tokenizer.*`` metadata values describe.
+
+        ``tokenizer.ggml.model`` is ``"gpt2"`` (byte-level BPE, :func:`_byte_level_bpe`) or
+        ``"llama"`` (SentencePiece BPE, :func:`_sentencepiece_bpe`). Control and unknown tokens
+        become special tokens and user-defined ones are matched whole, as llama.cpp does;
+        ``add_special_tokens=True`` adds what ``tokenizer.ggml.add_bos_token`` /
+        ``add_eos_token`` ask for (absent: llama.cpp's defaults, a BOS for "llama" only). Any
+        other model, or a setting that cannot be honoured exactly, raises :class:`ModelLoadError`
+        naming its key.
+        """
+        from tokenizers import AddedToken
 
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ModelLoadError(
-                f"{source}: tokenizer.ggml.model={kind!r} is not supported; only byte-level BPE "
-                "('gpt2') GGUF tokenizers can be built"
+                f"{source}: tokenizer.ggml.model={kind!r} is not supported; supported: 'gpt2' "
+                "(byte-level BPE) and 'llama' (SentencePiece BPE)"
             )
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-        types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"), source)
-        backend.decoder = decoders.ByteLevel()
+        types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [_TOKEN_TYPE_NORMAL] * len(tokens))
+        if kind == "gpt2":
+            backend = _byte_level_bpe(metadata, tokens, source)
+        else:
+            backend = _sentencepiece_bpe(metadata, tokens, types, source)
         backend.add_special_tokens(
             [
                 AddedToken(t, special=True, normalized=False)
                 for t, k in zip(tokens, types, strict=False)
-                if k == _TOKEN_TYPE_CONTROL
+                if k in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_UNKNOWN)
             ]
         )
         backend.add_tokens(
@@ -152,12 +173,17 @@ class Tokenizer:
                 if k == _TOKEN_TYPE_USER_DEFINED
             ]
         )
-        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-        bos = tokens[bos_id] if bos_id is not None else None
-        if metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-            )
+        around = {}  # "bos"/"eos": the token add_special_tokens=True puts before/after the text
+        for end, default in (("bos", kind == "llama"), ("eos", False)):
+            add_key = f"tokenizer.ggml.add_{end}_token"
+            if metadata.get(add_key, default):
+                around[end] = _gguf_token(
+                    metadata, f"tokenizer.ggml.{end}_token_id", tokens, source,
+                    needed_by=f"adding a {end.upper()} ({add_key})",
+                )
+        if around:
+            backend.post_processor = _gguf_post_processor(backend, around.get("bos"), around.get("eos"))
+        bos = _gguf_token(metadata, "tokenizer.ggml.bos_token_id", tokens, source)
         eos_ids = gguf_eos_token_ids(metadata)
         return cls(
             backend,
@@ -265,6 +291,109 @@ def gguf_eos_token_ids(metadata: Mapping[str, Any]) -> tuple[int, ...]:
         if k == _TOKEN_TYPE_CONTROL and t in _EOG_TEXTS
     ]
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], source: str) -> tokenizers.Tokenizer:
+    """GPT-2 style byte-level BPE: the file's merges, text split as ``tokenizer.ggml.pre`` says."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models
+
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"), source)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(
+    metadata: Mapping[str, Any], tokens: list[str], types: list[int], source: str
+) -> tokenizers.Tokenizer:
+    """SentencePiece BPE as llama.cpp's SPM tokenizer and Llama 2's ``tokenizer.json`` run it.
+
+    Spaces are spelt ``▁``, and one is prepended to each run of text between special tokens
+    unless ``tokenizer.ggml.add_space_prefix`` is false (Gemma); the decoder drops it again.
+    Characters missing from the vocabulary fall back to their UTF-8 bytes (``<0xNN>`` tokens).
+    Without ``tokenizer.ggml.merges`` the merges come from ``tokenizer.ggml.scores``.
+    """
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers
+
+    for key, accepted in _SPM_REFUSED.items():
+        if metadata.get(key, accepted) != accepted:
+            raise ModelLoadError(
+                f"{source}: {key} is set for a SentencePiece ('llama') vocabulary and cannot be "
+                f"honoured; only {accepted!r} (or no key) is supported"
+            )
+    if "tokenizer.ggml.merges" in metadata:
+        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    else:
+        scores = metadata.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ModelLoadError(
+                f"{source}: a SentencePiece vocabulary without tokenizer.ggml.merges needs "
+                f"tokenizer.ggml.scores, one per token ({len(tokens)})"
+            )
+        merges = _merges_by_score(tokens, types, scores)
+    unk = _gguf_token(metadata, "tokenizer.ggml.unknown_token_id", tokens, source)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    spaces = [normalizers.Replace(" ", _SPM_SPACE)]
+    decoder = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        spaces.insert(0, normalizers.Prepend(_SPM_SPACE))
+        decoder.append(decoders.Strip(" ", 1, 0))
+    backend.normalizer = normalizers.Sequence(spaces)
+    backend.decoder = decoders.Sequence(decoder)
+    return backend
+
+
+def _merges_by_score(tokens: list[str], types: list[int], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """BPE merges, best first, that join pieces as SentencePiece's scores say.
+
+    SentencePiece joins the adjacent pair whose joined piece scores highest (the leftmost on a
+    tie). Ranking every split of a normal piece into two normal pieces by that piece's score,
+    then its id, joins the same pairs; Hugging Face's converter builds Llama's merges this way.
+    Control, byte and unused pieces are never the result of a join.
+    """
+    ids = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=False)) if k == _TOKEN_TYPE_NORMAL}
+    ranked = sorted(
+        (-scores[i], i, ids[piece[:cut]], ids[piece[cut:]])
+        for piece, i in ids.items()
+        for cut in range(1, len(piece))
+        if piece[:cut] in ids and piece[cut:] in ids
+    )
+    return [(tokens[left], tokens[right]) for _, _, left, right in ranked]
+
+
+def _gguf_token(
+    metadata: Mapping[str, Any], key: str, tokens: Sequence[str], source: str, *, needed_by: str | None = None
+) -> str | None:
+    """Text of the token whose id the metadata ``key`` holds; None when the key is absent.
+
+    ``needed_by`` names the setting that cannot work without it: then an absent key is an error.
+    """
+    token_id = metadata.get(key)
+    if token_id is None:
+        if needed_by is not None:
+            raise ModelLoadError(f"{source}: {key} is missing, and {needed_by} needs it")
+        return None
+    if not 0 <= token_id < len(tokens):
+        raise ModelLoadError(f"{source}: {key}={token_id} is outside the vocabulary (size {len(tokens)})")
+    return tokens[token_id]
+
+
+def _gguf_post_processor(
+    backend: tokenizers.Tokenizer, bos: str | None, eos: str | None
+) -> tokenizers.processors.TemplateProcessing:
+    """Put ``bos`` before and ``eos`` after each sequence (None: nothing there)."""
+    from tokenizers import processors
+
+    head, tail = [bos] if bos else [], [eos] if eos else []
+    single = " ".join([*head, "$A", *tail])
+    pair = " ".join([single, *head, "$B", *tail])
+    special_tokens = [(t, backend.token_to_id(t)) for t in dict.fromkeys([*head, *tail])]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special_tokens)
 
 
 def _gguf_pre_tokenizer(pre: str, source: str) -> tokenizers.pre_tokenizers.PreTokenizer:

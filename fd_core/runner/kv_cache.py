@@ -19,13 +19,13 @@ import paddle
 from fd_kernels.int8_cache import ROW_EXTRA
 
 if TYPE_CHECKING:
-    from fd_core.model.arch import LlamaArchConfig
+    from fd_core.contracts.architecture import ModelShape
 
 #: Bytes per element of the cache dtypes we allocate.
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
-def _row_width(arch: LlamaArchConfig, dtype: str) -> int:
+def _row_width(arch: ModelShape, dtype: str) -> int:
     """Elements of a cache row: head_dim, and an int8 cache's scale (``fd_kernels.int8_cache``)."""
     return arch.head_dim + (ROW_EXTRA if dtype == "int8" else 0)
 
@@ -43,14 +43,14 @@ def _check_dtype(dtype: str) -> None:
         raise ValueError(f"KV cache dtype {dtype!r} is not supported; use one of {sorted(_DTYPE_BYTES)}")
 
 
-def kv_cache_bytes_per_block(arch: LlamaArchConfig, block_size: int, dtype: str = "float32") -> int:
+def kv_cache_bytes_per_block(arch: ModelShape, block_size: int, dtype: str = "float32") -> int:
     """Bytes one block takes across all layers, K and V: what the platform divides free memory by."""
     _check_dtype(dtype)
     per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * _row_width(arch, dtype)
     return per_token * block_size * _DTYPE_BYTES[dtype]
 
 
-def allocate_kv_caches(arch: LlamaArchConfig, *, num_blocks: int, block_size: int,
+def allocate_kv_caches(arch: ModelShape, *, num_blocks: int, block_size: int,
                        dtype: str = "float32") -> list[LayerKVCache]:
     """Zero-filled caches for every layer of ``arch`` on paddle's current device. In host memory the
     zeros are written at start-up by a thread per usable core: that first write faults the pool's

@@ -12,20 +12,20 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 import paddle
 
+from fd_core.contracts.architecture import ModelPrecision
 from fd_core.model.kernels import PORTABLE_KERNELS
-from fd_core.model.llama import LlamaForCausalLM
 from fd_core.outputs import ScheduledRequest, StepPlan, StepResult
 from fd_core.request import Request, SamplingParams
 from fd_core.runner.attention_metadata import build_attention_metadata, order_rows
 from fd_core.runner.kv_cache import allocate_kv_caches
 
 if TYPE_CHECKING:
-    from fd_core.model.arch import LlamaArchConfig
+    from fd_core.contracts.architecture import ModelArchitecture, ModelShape
     from fd_core.model.kernels import KernelSet
     from fd_core.outputs import SampledToken
 
@@ -47,7 +47,7 @@ WARMUP_PROMPT_TOKENS: Final = 8
 
 
 class ModelRunner:
-    """Runs :class:`StepPlan` batches of a Llama-family model on one paddle device.
+    """Runs :class:`StepPlan` batches of the model ``architecture`` builds on one paddle device.
 
     ``device`` becomes paddle's current device and ``num_threads`` (default: the CPUs this
     process may run on) its CPU math thread count; both are process-wide, as a runner owns
@@ -55,7 +55,8 @@ class ModelRunner:
     ``kernels`` are the swappable ops chosen from the platform's capabilities (default: portable).
     """
 
-    def __init__(self, arch: LlamaArchConfig, weights: Mapping[str, np.ndarray], *, num_blocks: int,
+    def __init__(self, architecture: ModelArchitecture, arch: ModelShape, weights: Mapping[str, Any], *,
+                 num_blocks: int,
                  block_size: int, dtype: str = "float32", device: str = "cpu",
                  sampler: TokenSampler, num_threads: int | None = None,
                  kernels: KernelSet = PORTABLE_KERNELS, kv_dtype: str | None = None,
@@ -71,8 +72,8 @@ class ModelRunner:
         self.sampler = sampler
         self.kernels = kernels
         self.warm_up_seconds: float | None = None   # set by warm_up()
-        self.model = LlamaForCausalLM(arch, weights, dtype=dtype, kernels=kernels, linear_weights=linear_weights,
-                                      linear_inputs=linear_inputs, attention_inputs=attention_inputs)
+        precision = ModelPrecision(dtype, linear_weights, linear_inputs, attention_inputs)
+        self.model = architecture.build(arch, weights, kernels=kernels, precision=precision)
         self.kv_caches = allocate_kv_caches(arch, num_blocks=num_blocks, block_size=block_size,
                                             dtype=kv_dtype or dtype)
 

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Final
 from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.contracts.connector import ConnectorRole, Delivery
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_plugins.connectors.zmq_connector import ZmqConnector
 
 #: Longest wait of a send for a free slot, in seconds.
@@ -50,7 +51,7 @@ class ShmConnector(ZmqConnector):
     """Block buffers through a shared-memory segment; control messages over zmq ipc sockets."""
 
     name: ClassVar[str] = "shm"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel]] = ShmConnectorSettings
     same_host_only: ClassVar[bool] = True
 

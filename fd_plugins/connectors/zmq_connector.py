@@ -20,6 +20,7 @@ import zmq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from fd_core.contracts.connector import Connector, ConnectorRole, Delivery
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 
 
 class ZmqConnectorSettings(BaseModel):
@@ -60,7 +61,7 @@ class ZmqConnector(Connector):
     """Control and block messages over zmq ROUTER/DEALER sockets (TCP)."""
 
     name: ClassVar[str] = "zmq"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel]] = ZmqConnectorSettings
 
     def __init__(self, settings: ZmqConnectorSettings | None, *, role: ConnectorRole, instance_id: str) -> None:

@@ -16,6 +16,7 @@ from fd_core.contracts.platform import (
     MemoryProfile,
     Platform,
 )
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_plugins.platforms import cpu_features, host_tuning
 
 #: Environment variables that size the thread pools of OpenMP, MKL and OpenBLAS.
@@ -79,7 +80,7 @@ class CpuPlatform(Platform):
     """
 
     name: ClassVar[str] = "cpu"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel] | None] = CpuSettings
     priority: ClassVar[int] = 0
 

@@ -7,6 +7,7 @@ from typing import ClassVar
 from pydantic import BaseModel
 
 from fd_core.contracts.platform import FLOAT16, FUSED_RMS_NORM, PAGED_ATTENTION, DetectResult, MemoryProfile, Platform
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_plugins.platforms._probes import ProbeUnavailable, detect_with, smallest
 from fd_plugins.platforms._settings import DeviceSettings
 
@@ -48,7 +49,7 @@ class CudaPlatform(Platform):
     """NVIDIA GPUs; ``gpu:N`` devices, one worker per local rank."""
 
     name: ClassVar[str] = "cuda"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel] | None] = CudaSettings
     priority: ClassVar[int] = 50
     capabilities = frozenset({PAGED_ATTENTION, FLOAT16, FUSED_RMS_NORM})

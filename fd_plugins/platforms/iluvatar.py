@@ -7,6 +7,7 @@ from typing import ClassVar
 from pydantic import BaseModel
 
 from fd_core.contracts.platform import FLOAT16, PAGED_ATTENTION
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_plugins.platforms._custom import CustomDevicePlatform
 from fd_plugins.platforms._settings import DeviceSettings
 
@@ -20,7 +21,7 @@ class IluvatarPlatform(CustomDevicePlatform):
     visibility uses ``CUDA_VISIBLE_DEVICES``."""
 
     name: ClassVar[str] = "iluvatar"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel] | None] = IluvatarSettings
     priority: ClassVar[int] = 20
     capabilities = frozenset({PAGED_ATTENTION, FLOAT16})

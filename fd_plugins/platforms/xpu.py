@@ -7,6 +7,7 @@ from typing import ClassVar
 from pydantic import BaseModel
 
 from fd_core.contracts.platform import FLOAT16, PAGED_ATTENTION, DetectResult, MemoryProfile, Platform
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_plugins.platforms._probes import ProbeUnavailable, detect_with, smallest
 from fd_plugins.platforms._settings import DeviceSettings
 
@@ -38,7 +39,7 @@ class XpuPlatform(Platform):
     """Kunlunxin XPUs; ``xpu:N`` devices, one worker per local rank."""
 
     name: ClassVar[str] = "xpu"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel] | None] = XpuSettings
     priority: ClassVar[int] = 40
     capabilities = frozenset({PAGED_ATTENTION, FLOAT16})

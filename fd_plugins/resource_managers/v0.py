@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.outputs import StepPlan
 from fd_plugins.resource_managers._common import BlockTable, QueuedBlockManager, cdiv
 from fd_plugins.resource_managers.block_pool import BlockPool
@@ -51,7 +52,7 @@ class V0ResourceManager(QueuedBlockManager):
     """Whole-prompt admission with blocks promised for each request's full length."""
 
     name: ClassVar[str] = "v0"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel]] = V0Settings
 
     def __init__(self, settings: V0Settings | None, *, limits: KVLimits, hooks: Any) -> None:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fd_core.compat import LOADS_UNTIL, warn_deprecated
 from fd_core.contracts.scheduler import Scheduler
 from fd_core.errors import QueueFullError
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.outputs import RequestOutput
 from fd_core.plugin_guard import GuardedHooks
 from fd_core.request import FinishReason
@@ -42,7 +43,7 @@ class LocalScheduler(Scheduler):
     """In-process FIFO queue (order hookable) with a size limit and TTL."""
 
     name: ClassVar[str] = "local"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel]] = LocalSchedulerSettings
     #: The config key that sets ``max_queue_size``, named by the queue-full error; a subclass
     #: that bounds its queue by a setting of its own names that key here.

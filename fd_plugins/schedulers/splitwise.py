@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from fd_core.contracts.scheduler import PeerDirectory, PeerInfo
 from fd_core.errors import ConfigError
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_plugins.schedulers.local import LocalScheduler, LocalSchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class SplitwiseScheduler(LocalScheduler, PeerDirectory):
     """The local queue, and the Redis peer directory prefill and decode instances pair through."""
 
     name: ClassVar[str] = "splitwise"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel]] = SplitwiseSchedulerSettings
 
     def __init__(self, settings: SplitwiseSchedulerSettings | None, *, hooks: Any, max_queue_size: int) -> None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.contracts.token_processor import TokenProcessor
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.outputs import RequestMetrics, RequestOutput
 from fd_core.request import FinishReason
 from fd_plugins.token_processors.detokenizer import IncrementalDetokenizer
@@ -74,7 +75,7 @@ class DefaultTokenProcessor(TokenProcessor):
     """Stops, incremental detokenization, logprobs, finish reasons and metrics."""
 
     name: ClassVar[str] = "default"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel]] = DefaultTokenProcessorSettings
 
     def __init__(self, settings: DefaultTokenProcessorSettings | None, *, tokenizer: object,

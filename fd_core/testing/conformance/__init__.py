@@ -18,6 +18,7 @@ resource manager       :func:`check_resource_manager`                a seeded si
 token processor        :func:`check_token_processor`                 hand-made plans and results
 platform               :func:`check_platform`                        detect and every method
 connector              :func:`check_connector`                       loopback transport, hand-off
+model architecture     :func:`check_architecture`                    tiny random models vs transformers
 =====================  ============================================  ===========================
 
 ``run_<seam>_checks`` run the same checks without raising (one :class:`CheckResult` per check,
@@ -29,6 +30,11 @@ from fd_core.testing.conformance._report import (
     CheckResult,
     ConformanceError,
     SeamReport,
+)
+from fd_core.testing.conformance.architecture import (
+    ARCHITECTURE_CHECKS,
+    check_architecture,
+    run_architecture_checks,
 )
 from fd_core.testing.conformance.connector import (
     CONNECTOR_CHECKS,
@@ -65,6 +71,7 @@ from fd_core.testing.conformance.token_processor import (
 )
 
 __all__ = [
+    "ARCHITECTURE_CHECKS",
     "CONNECTOR_CHECKS",
     "DEFAULT_LIMITS",
     "PLATFORM_CHECKS",
@@ -76,6 +83,7 @@ __all__ = [
     "InMemoryPeerDirectory",
     "PeerBoard",
     "SeamReport",
+    "check_architecture",
     "check_connector",
     "check_names",
     "check_platform",
@@ -83,6 +91,7 @@ __all__ = [
     "check_scheduler",
     "check_token_processor",
     "directory_scheduler",
+    "run_architecture_checks",
     "run_connector_checks",
     "run_platform_checks",
     "run_plugin_checks",

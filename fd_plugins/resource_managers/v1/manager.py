@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.outputs import StepPlan
 from fd_core.plugin_guard import GuardedHooks
 from fd_core.request import FinishReason, RequestStatus
@@ -64,7 +65,7 @@ class V1ResourceManager(QueuedBlockManager):
     """Token-budget scheduler with chunked prefill, recompute preemption and prefix caching."""
 
     name: ClassVar[str] = "v1"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     supports_prefix_caching: ClassVar[bool] = True
     settings_model: ClassVar[type[BaseModel]] = V1Settings
 

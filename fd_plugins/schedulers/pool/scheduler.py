@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from fd_core.contracts.scheduler import Scheduler
 from fd_core.errors import ConfigError, QueueFullError
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.outputs import RequestOutput
 from fd_core.plugin_guard import GuardedHooks
 from fd_core.request import FinishReason, Request
@@ -75,7 +76,7 @@ class GlobalScheduler(Scheduler):
     """A pool member: own queue first, work stealing, leases, results routed to the origin."""
 
     name: ClassVar[str] = "global"
-    fd_hookspec_version: ClassVar[int] = 3
+    fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel]] = GlobalSchedulerSettings
 
     def __init__(self, settings: GlobalSchedulerSettings | None, *, hooks: Any, max_queue_size: int) -> None:

@@ -9,9 +9,53 @@ import numpy as np
 import pytest
 
 from fd_core.errors import ModelLoadError
-from fd_core.model.gguf_loader import load_gguf
+from fd_core.model.arch import LlamaArchConfig
+from fd_core.model.gguf_loader import KEPT_TENSOR_TYPES, load_gguf, supported_tensor_types
 from fd_core.model.hf_loader import load_hf_folder
 from fd_core.testing.tiny_model import make_tiny_llama, write_tiny_gguf
+from tests.fd_core.model.gguf_encoders import write_gguf
+
+#: Type -> bounds of its error against the float weights (max error / max |w|, mean error /
+#: mean |w|, per matrix): about 1.4 times what this file's encoders give, so a layout mistake
+#: (an error as large as the weights) fails.
+QUANT_ERRORS = {
+    "Q2_K": (0.4, 0.45), "Q3_K": (0.3, 0.22), "Q4_K": (0.08, 0.12), "Q5_K": (0.04, 0.06),
+    "Q6_K": (0.03, 0.03), "Q5_0": (0.07, 0.07), "Q5_1": (0.04, 0.06), "IQ4_NL": (0.12, 0.12),
+    "IQ4_XS": (0.13, 0.12), "BF16": (2**-8, 0.003), "MXFP4": (0.33, 0.15),
+}
+_GGUF_GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_PARTS = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+@pytest.fixture(scope="module")
+def wide_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose matrices all have rows of 256 values, one K-quant block (4 heads of 64)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("wide") / "wide-llama", hidden=256, intermediate=256)
+
+
+def _stored(path: Path, arch: LlamaArchConfig) -> dict[str, tuple[str, np.ndarray]]:
+    """HF name -> (GGUF type, ``gguf.quants.dequantize`` of the stored bytes, Q/K rows un-permuted)."""
+    import gguf
+
+    stored = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        stem, kind = tensor.name.rsplit(".", 1)
+        if stem in _GGUF_GLOBALS:
+            name = f"{_GGUF_GLOBALS[stem]}.{kind}"
+        else:
+            _, layer, part = stem.split(".")
+            name = f"model.layers.{layer}.{_GGUF_PARTS[part]}.{kind}"
+        value = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if ".q_proj." in name or ".k_proj." in name:  # llama.cpp: per head, pairs -> two halves
+            heads = arch.num_attention_heads if ".q_proj." in name else arch.num_key_value_heads
+            rows, cols = value.shape
+            value = value.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+        stored[name] = (tensor.tensor_type.name, value)
+    return stored
 
 
 def test_f32_gguf_equals_hf_weights(tmp_path: Path, tiny_folder: Path) -> None:
@@ -81,13 +125,6 @@ def test_metadata_becomes_arch_config(tmp_path: Path) -> None:
     assert (arch.vocab_size, arch.max_position_embeddings, arch.bos_token_id) == (512, 512, 1)
 
 
-def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: Path, tiny_folder: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "q5.gguf", tiny_folder, tensor_types={"blk.1.ffn_down.weight": "Q5_0"})
-    with pytest.raises(ModelLoadError, match=r"'blk\.1\.ffn_down\.weight' has type Q5_0") as info:
-        load_gguf(path)
-    assert "Q4_1" in str(info.value)  # lists what is supported
-
-
 def test_non_llama_gguf_is_refused(tmp_path: Path) -> None:
     import gguf
 
@@ -120,3 +157,105 @@ def test_kept_blocks_dequantize_to_the_loaders_float32_weights(tmp_path: Path, t
         else:
             assert isinstance(kept[name], np.ndarray)
             np.testing.assert_array_equal(kept[name], value, err_msg=name)
+
+
+def test_every_type_gguf_py_dequantizes_is_supported() -> None:
+    import gguf
+
+    supported = supported_tensor_types()
+    assert {"F32", "F16", "BF16", *KEPT_TENSOR_TYPES, *QUANT_ERRORS} <= set(supported)
+    for qtype in gguf.GGMLQuantizationType:
+        if qtype.name not in supported:
+            with pytest.raises(NotImplementedError):
+                gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
+
+
+@pytest.mark.parametrize("tensor_type", list(QUANT_ERRORS))
+def test_quantized_type_loads_as_gguf_py_dequantizes_it(tmp_path: Path, wide_folder: Path,
+                                                        tensor_type: str) -> None:
+    """Matrices are gguf-py's float32 values of the stored bytes, Q/K un-permuted; norms stay F32."""
+    hf_arch, original = load_hf_folder(wide_folder)
+    path = write_gguf(tmp_path / "q.gguf", wide_folder, tensor_type=tensor_type)
+    arch, weights, _ = load_gguf(path)
+    stored = _stored(path, arch)
+    max_error, mean_error = QUANT_ERRORS[tensor_type]
+    assert weights.keys() == stored.keys() == original.keys()
+    for name, value in original.items():
+        assert weights[name].dtype == np.float32, name
+        np.testing.assert_array_equal(weights[name], stored[name][1], err_msg=name)
+        if value.ndim == 1:
+            assert stored[name][0] == "F32", name
+            np.testing.assert_array_equal(weights[name], value, err_msg=name)
+            continue
+        assert stored[name][0] == tensor_type, name
+        error = np.abs(weights[name] - value)
+        assert 0 < error.max() <= max_error * np.abs(value).max(), name
+        assert error.mean() <= mean_error * np.abs(value).mean(), name
+
+
+def test_q4_0_file_with_a_q6_k_head_keeps_its_q4_0_blocks(tmp_path: Path, wide_folder: Path) -> None:
+    """What llama.cpp writes as Q4_0: the Q4_0 matrices stay blocks, the Q6_K head is float32."""
+    from fd_kernels.quantized import BlockQuantized
+
+    path = write_gguf(tmp_path / "q4_0.gguf", wide_folder, tensor_type="Q4_0",
+                      tensor_types={"output.weight": "Q6_K"})
+    _, dense, _ = load_gguf(path)
+    _, kept, _ = load_gguf(path, keep_quantized=True)
+    assert isinstance(kept["lm_head.weight"], np.ndarray)
+    np.testing.assert_array_equal(kept["lm_head.weight"], dense["lm_head.weight"])
+    blocks = [name for name, value in kept.items() if isinstance(value, BlockQuantized)]
+    assert blocks == [name for name, value in dense.items() if value.ndim == 2 and name != "lm_head.weight"]
+    for name in blocks:
+        np.testing.assert_array_equal(kept[name].dequantize(), dense[name], err_msg=name)
+
+
+def test_type_gguf_py_cannot_dequantize_is_refused_naming_the_tensor(tmp_path: Path, wide_folder: Path) -> None:
+    import gguf
+
+    supported = supported_tensor_types()
+    unsupported = [t for t in gguf.GGMLQuantizationType if t.name not in supported]
+    if not unsupported:
+        pytest.skip("this gguf-py dequantizes every GGML type")
+    qtype = unsupported[0]
+    quantize = gguf.quants.quantize
+
+    def fake_quantize(data: np.ndarray, to: gguf.GGMLQuantizationType) -> np.ndarray:
+        if to != qtype:
+            return quantize(data, to)
+        return np.zeros(gguf.quants.quant_shape_to_byte_shape(data.shape, qtype), np.uint8)  # any bytes
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf.quants, "quantize", fake_quantize)
+        path = write_tiny_gguf(tmp_path / "odd.gguf", wide_folder, tensor_types={"blk.1.ffn_down.weight": qtype.name})
+    with pytest.raises(ModelLoadError, match=rf"'blk\.1\.ffn_down\.weight' has type {qtype.name}, which is not "
+                                             "supported") as info:
+        load_gguf(path)
+    assert f"supported types: {', '.join(supported)}" in str(info.value)
+
+
+def test_q4_k_m_file_decodes_as_its_float32_weights(tmp_path: Path, wide_folder: Path) -> None:
+    """A Q4_K_M-style file (Q4_K matrices, Q6_K head and ffn_down) runs through ``load_model`` and
+    greedy-decodes the tokens of a float32 folder holding gguf-py's values of its bytes."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from fd_core.engine.llm import LLM
+    from fd_core.request import SamplingParams
+
+    path = write_gguf(tmp_path / "q4_k_m.gguf", wide_folder, tensor_type="Q4_K",
+                      tensor_types={"output.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K",
+                                    "blk.1.ffn_down.weight": "Q6_K"})
+    folder = shutil.copytree(wide_folder, tmp_path / "float32", ignore=shutil.ignore_patterns("*.safetensors"))
+    arch, _ = load_hf_folder(wide_folder)
+    save_file({name: value for name, (_, value) in _stored(path, arch).items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    prompts = [[5, 6, 7, 8] * 5, list(range(100, 130))]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    answers = []
+    for source in (path, folder):
+        # plain Paddle kernels: no C++ build for a test of what the loader hands the model
+        with LLM(source, cache={"num_blocks": 16}, platform={"name": "cpu", "options": {"kernels": "portable"}}) as llm:
+            answers.append([output.token_ids for output in llm.generate(prompts, greedy, use_tqdm=False)])
+    assert answers[0] == answers[1]
+    assert all(len(set(tokens)) > 4 for tokens in answers[0])  # real continuations, not one token repeated

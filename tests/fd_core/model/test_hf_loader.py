@@ -95,13 +95,52 @@ def test_tied_model_has_no_lm_head(tmp_path: Path) -> None:
     assert "lm_head.weight" not in weights
 
 
-def test_rope_scaling_is_refused(tmp_path: Path) -> None:
-    folder = make_tiny_llama(tmp_path / "scaled")
+def _with_config(tmp_path: Path, **changes: object) -> Path:
+    folder = make_tiny_llama(tmp_path / "changed")
     config = json.loads((folder / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    config.update(changes)
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"rope_scaling type 'llama3'"):
-        read_hf_config(folder)
+    return folder
+
+
+@pytest.mark.parametrize(("changes", "refused"), [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_scaling\.high_freq_factor: .*needs it"),
+    ({"rope_scaling": {"rope_type": "su", "factor": 2.0}}, r"rope_scaling\.rope_type: 'su' is not supported"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "beta_fast": 4}},
+     r"rope_parameters\.beta_fast: is not a setting of rope_type 'linear'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     r"rope_parameters\.partial_rotary_factor"),
+    ({"quantization_config": {"quant_method": "awq"}}, r"quantization_config: is not a key"),
+    ({"hidden_act": "gelu"}, r"hidden_act: 'gelu' is not supported"),
+    ({"mlp_bias": True}, r"mlp_bias: True is not supported"),
+    ({"model_type": "qwen2"}, r"model_type: 'qwen2' does not match architecture 'LlamaForCausalLM'"),
+])
+def test_a_config_key_the_plugin_cannot_serve_is_refused_by_name(tmp_path: Path, changes: dict,
+                                                                 refused: str) -> None:
+    with pytest.raises(ModelLoadError, match=refused):
+        read_hf_config(_with_config(tmp_path, **changes))
+
+
+def test_an_architecture_no_plugin_declares_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"architecture 'GPT2LMHeadModel' is not supported; supported: .*"
+                                             r"LlamaForCausalLM.*Qwen3ForCausalLM"):
+        read_hf_config(_with_config(tmp_path, architectures=["GPT2LMHeadModel"]))
+
+
+def test_a_sliding_window_shorter_than_the_context_caps_the_served_context(tmp_path: Path) -> None:
+    mistral = _with_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral",
+                           max_position_embeddings=512, sliding_window=96)
+    assert read_hf_config(mistral).max_position_embeddings == 96
+    qwen_off = _with_config(tmp_path / "q", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                            max_position_embeddings=512, sliding_window=96, use_sliding_window=False)
+    assert read_hf_config(qwen_off).max_position_embeddings == 512
+
+
+def test_yarn_serves_the_stretched_window(tmp_path: Path) -> None:
+    folder = _with_config(tmp_path, max_position_embeddings=256,
+                          rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})
+    arch = read_hf_config(folder)
+    assert (arch.rope_type, arch.max_position_embeddings) == ("yarn", 1024)
 
 
 def test_truncated_safetensors_is_reported(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from fd_core.outputs import ScheduledRequest, StepPlan
 from fd_core.request import Request
 from fd_core.runner.model_runner import ModelRunner
 from fd_kernels import paged_attention as pa
+from fd_plugins.models.llama import LlamaFamily
 from fd_plugins.platforms.cpu import CpuPlatform
 from tests.fd_core.model.tiny_llama import GreedySampler, random_weights, tiny_arch
 
@@ -89,7 +90,7 @@ def _ours_greedy(arch: LlamaArchConfig, weights: dict[str, np.ndarray], prompts:
     sampler = GreedySampler()
     blocks_each = -(-(max(map(len, prompts)) + MAX_NEW) // BLOCK_SIZE)
     order = np.random.default_rng(0).permutation(NUM_PROMPTS * blocks_each)
-    runner = ModelRunner(arch, weights, num_blocks=NUM_PROMPTS * blocks_each,
+    runner = ModelRunner(LlamaFamily(), arch, weights, num_blocks=NUM_PROMPTS * blocks_each,
                          block_size=BLOCK_SIZE, sampler=sampler, kernels=kernels, kv_dtype=kv_dtype,
                          linear_weights=linear_weights, linear_inputs=linear_inputs,
                          attention_inputs=attention_inputs)

@@ -9,6 +9,7 @@ from fd_core.model.llama import LlamaForCausalLM
 from fd_core.outputs import ScheduledRequest, StepPlan
 from fd_core.request import Request
 from fd_core.runner.model_runner import ModelRunner
+from fd_plugins.models.llama import LlamaFamily
 from tests.fd_core.model.tiny_llama import GreedySampler, random_weights, tiny_arch
 
 PROMPT_LENS = (5, 17, 40, 70, 131)
@@ -33,7 +34,7 @@ def _block_tables(block_size: int, seed: int) -> dict[str, list[int]]:
 
 def _runner(block_size: int, sampler: GreedySampler | None = None) -> ModelRunner:
     arch = tiny_arch()
-    return ModelRunner(arch, random_weights(arch), num_blocks=NUM_BLOCKS, block_size=block_size,
+    return ModelRunner(LlamaFamily(), arch, random_weights(arch), num_blocks=NUM_BLOCKS, block_size=block_size,
                        sampler=sampler or GreedySampler())
 
 

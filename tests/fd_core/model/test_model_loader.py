@@ -52,14 +52,6 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
     assert "LlamaForCausalLM" in str(info.value) and "Qwen2ForCausalLM" in str(info.value)
 
 
-def test_unsupported_gguf_tensor_type(tiny_folder: Path, tmp_path: Path) -> None:
-    path = write_tiny_gguf(
-        tmp_path / "mixed.gguf", tiny_folder, tensor_type="Q8_0", tensor_types={"output.weight": "Q5_1"}
-    )
-    with pytest.raises(ModelLoadError, match=r"tensor 'output\.weight' has type Q5_1"):
-        load_model(str(path))
-
-
 def test_weights_that_do_not_fit_the_config(tmp_path: Path) -> None:
     folder = make_tiny_llama(tmp_path / "short")
     config = json.loads((folder / "config.json").read_text())

@@ -120,9 +120,9 @@ def test_broken_template_fails_at_load(tiny_folder: Path) -> None:
 
 
 def test_unsupported_gguf_tokenizer_model() -> None:
-    with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.model='llama' is not supported"):
+    with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.model='rwkv' is not supported"):
         Tokenizer.from_gguf_metadata(
-            {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": []}, source="x.gguf"
+            {"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": []}, source="x.gguf"
         )
 
 

@@ -1,0 +1,167 @@
+"""Rotary position embeddings: the frequencies of each scaling type Hugging Face configs name.
+
+A config's RoPE settings (``rope_theta`` and ``rope_scaling`` in older configs, ``rope_parameters``
+in configs written by transformers 5) are parsed into a :class:`RopeScaling`; :func:`rope_tables`
+turns it into cos / signed-sin tables, computed in float32 the way transformers computes them so
+that greedy decoding matches it token for token. Every key of the settings is read or refused:
+a key this module does not know is an error naming it, never a silently different model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+#: Scaling type -> the keys of its settings besides ``rope_type`` / ``type`` / ``rope_theta``.
+KEYS: Final[dict[str, frozenset[str]]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor", "original_max_position_embeddings"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                       "mscale", "mscale_all_dim", "truncate"}),
+}
+#: Keys each type must have.
+REQUIRED: Final[dict[str, frozenset[str]]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset({"original_max_position_embeddings"}),
+}
+
+
+class RopeConfigError(ValueError):
+    """A RoPE setting that cannot be served; ``key`` is its path in config.json."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """One model's RoPE: base ``theta``, the scaling ``type`` and that type's ``params``."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def context_length(self, max_position_embeddings: int) -> int:
+        """Positions the model serves: yarn stretches the pre-trained window by its factor (as its
+        configs intend: ``max_position_embeddings`` often keeps the pre-trained value); the other
+        types serve ``max_position_embeddings``. ``dynamic`` stays within it, where its frequencies
+        are the unscaled ones (transformers rescales only beyond it, per forward pass, which a
+        paged KV cache written at earlier lengths cannot reproduce)."""
+        if self.type != "yarn":
+            return max_position_embeddings
+        stretched = int(self.params["original_max_position_embeddings"] * self.params["factor"])
+        return max(max_position_embeddings, stretched)
+
+
+def parse_rope(config: Mapping[str, Any]) -> RopeScaling:
+    """The RoPE of a Hugging Face ``config.json``; raises :class:`RopeConfigError` naming the key."""
+    parameters = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    where = "rope_parameters" if parameters else "rope_scaling"
+    settings = {**scaling, **parameters}
+    if isinstance(settings.get("full_attention"), Mapping):   # per-layer-type settings (Gemma-style)
+        raise RopeConfigError(where, "per-layer-type RoPE settings are not supported by this architecture")
+    theta = float(settings.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = settings.pop("rope_type", None) or settings.pop("type", None) or "default"
+    settings.pop("type", None)
+    if rope_type not in KEYS:
+        raise RopeConfigError(f"{where}.rope_type", f"{rope_type!r} is not supported; supported: {', '.join(KEYS)}")
+    if settings.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise RopeConfigError(f"{where}.partial_rotary_factor", "partial rotary embeddings are not supported by "
+                                                                "this architecture")
+    unknown = sorted(settings.keys() - KEYS[rope_type])
+    if unknown:
+        raise RopeConfigError(f"{where}.{unknown[0]}", f"is not a setting of rope_type {rope_type!r} "
+                                                       f"(it takes {', '.join(sorted(KEYS[rope_type])) or 'none'})")
+    missing = sorted(REQUIRED[rope_type] - {k for k, v in settings.items() if v is not None})
+    if missing:
+        raise RopeConfigError(f"{where}.{missing[0]}", f"rope_type {rope_type!r} needs it")
+    if rope_type == "yarn" and settings.get("factor") is None:   # transformers: the window's growth
+        settings["factor"] = config["max_position_embeddings"] / settings["original_max_position_embeddings"]
+    return RopeScaling(theta, rope_type, settings)
+
+
+def inverse_frequencies(rope: RopeScaling, head_dim: int) -> tuple[np.ndarray, float]:
+    """float32 ``inv_freq [head_dim // 2]`` and the attention factor cos and sin are multiplied by."""
+    dim = head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    p = rope.params
+    if rope.type in ("default", "dynamic"):   # dynamic: unscaled up to max_position_embeddings
+        return inv_freq, 1.0
+    if rope.type == "linear":
+        return (inv_freq / np.float32(p["factor"])).astype(np.float32), 1.0
+    if rope.type == "llama3":
+        return _llama3(inv_freq, p), 1.0
+    return _yarn(rope, dim)
+
+
+def _llama3(inv_freq: np.ndarray, p: Mapping[str, Any]) -> np.ndarray:
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_context = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = (np.float32(2 * math.pi) / inv_freq).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
+    smooth = ((np.float32(old_context) / wavelen - np.float32(low)) / np.float32(high - low)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(rope: RopeScaling, dim: int) -> tuple[np.ndarray, float]:
+    p = rope.params
+    original, factor = p["original_max_position_embeddings"], p["factor"]
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_share = (1 - ramp).astype(np.float32)
+    pos_freqs = (np.float32(rope.theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))).astype(
+        np.float32)
+    extrapolated = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolated = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    inv_freq = (interpolated * (1 - extrapolation_share) + extrapolated * extrapolation_share).astype(np.float32)
+    return inv_freq, float(attention_factor)
+
+
+def rope_tables(rope: RopeScaling, head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and signed-sin tables ``[positions, head_dim]`` (float32, as transformers computes them).
+
+    ``rotate_half(x) * sin == roll(x, head_dim // 2) * signed_sin`` with the first half of
+    ``signed_sin`` negated, which saves the slice/negate/concat of ``rotate_half``.
+    """
+    inv_freq, attention_factor = inverse_frequencies(rope, head_dim)
+    freqs = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([freqs, freqs], axis=-1).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    if attention_factor != 1.0:
+        cos, sin = cos * np.float32(attention_factor), sin * np.float32(attention_factor)
+    sin[:, : head_dim // 2] *= -1
+    return cos.astype(np.float32), sin.astype(np.float32)
