@@ -46,6 +46,13 @@ class LlamaArchConfig:
     qk_norm: bool = False         # Qwen3: per-head RMSNorm of queries and keys before RoPE
     rope_type: str = "default"    # a type of fd_core.model.rope.KEYS, its settings in rope_params
     rope_params: Mapping[str, Any] = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions RoPE rotates (Phi-4-mini: 0.75)
+    interleaved_rope: bool = False  # ERNIE 4.5: RoPE rotates pairs (2i, 2i+1), not halves (i, i + d/2)
+    no_rope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose attention has no position embedding
+    embedding_multiplier: float = 1.0     # Granite: scales the embedded tokens
+    attention_multiplier: float | None = None  # Granite: replaces attention's 1/sqrt(head_dim)
+    residual_multiplier: float = 1.0      # Granite: scales each sublayer's output before its residual add
+    logits_scaling: float = 1.0           # Granite: divides the logits
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -59,7 +66,7 @@ class LlamaArchConfig:
     @property
     def rope(self) -> RopeScaling:
         """The rotary embedding's base and scaling."""
-        return RopeScaling(self.rope_theta, self.rope_type, self.rope_params)
+        return RopeScaling(self.rope_theta, self.rope_type, self.rope_params, self.partial_rotary_factor)
 
     @property
     def kv_bytes_per_token(self) -> int:

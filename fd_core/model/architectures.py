@@ -50,7 +50,7 @@ class ArchitecturePlugins:
 
         registry = self.registry
         if registry is None or not registry.records(SEAM):   # e.g. Registry.from_plugins without model plugins
-            registry = Registry.discover()
+            registry = self.registry = Registry.discover()
         loaded = _loaded_plugins(registry)
         claims = [(record, cls) for record, cls in loaded if architecture in getattr(cls, attribute)]
         if not claims:

@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from fd_core.contracts.architecture import ArchitectureConfigError
 from fd_core.errors import ModelLoadError
-from fd_core.model.arch import LlamaArchConfig
-from fd_core.model.tokenizer import gguf_eos_token_ids
+from fd_core.model.architectures import ArchitecturePlugins
 from fd_kernels.quantized import BlockQuantized, from_gguf_blocks
 
 if TYPE_CHECKING:
     import gguf
+
+    from fd_core.contracts.architecture import ModelShape
 
 #: The types ``keep_quantized`` keeps in their blocks.
 KEPT_TENSOR_TYPES: Final = ("Q8_0", "Q4_0", "Q4_1")
@@ -50,9 +52,11 @@ _BLOCK_NAMES: Final = {
 _BLOCK_TENSOR: Final = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_gguf(path: str | Path, *, keep_quantized: bool = False,
-              ) -> tuple[LlamaArchConfig, dict[str, np.ndarray | BlockQuantized], dict[str, Any]]:
-    """Architecture, float32 weights (Hugging Face names) and all metadata values of a GGUF file.
+def load_gguf(path: str | Path, *, keep_quantized: bool = False, plugins: ArchitecturePlugins | None = None,
+              ) -> tuple[ModelShape, dict[str, np.ndarray | BlockQuantized], dict[str, Any]]:
+    """Shape (parsed by the architecture plugin of ``plugins``, default every installed one, that
+    serves its ``general.architecture``), float32 weights (Hugging Face names) and all metadata
+    values of a GGUF file.
 
     The metadata dict maps GGUF keys (``tokenizer.ggml.tokens``...) to Python values; the
     tokenizer is built from it. With ``keep_quantized``, 2-D tensors of a type in
@@ -66,9 +70,7 @@ def load_gguf(path: str | Path, *, keep_quantized: bool = False,
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
     metadata = {key: field.contents() for key, field in reader.fields.items()}
-    architecture = metadata.get("general.architecture")
-    if architecture != "llama":
-        raise ModelLoadError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: llama")
+    plugin = (plugins or ArchitecturePlugins()).for_gguf(str(metadata.get("general.architecture")), str(path))
     supported = supported_tensor_types()
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in supported:
@@ -76,7 +78,10 @@ def load_gguf(path: str | Path, *, keep_quantized: bool = False,
                 f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which is not "
                 f"supported; supported types: {', '.join(supported)}"
             )
-    arch = _arch_config(path, metadata, {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors})
+    try:
+        arch = plugin.parse_gguf(metadata, {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors})
+    except ArchitectureConfigError as e:
+        raise ModelLoadError(f"{path}: {e} (architecture plugin {plugin.name!r})") from e
     weights = {}
     for tensor in reader.tensors:
         name = _hf_name(path, tensor.name)
@@ -105,43 +110,6 @@ def supported_tensor_types() -> tuple[str, ...]:
     return tuple(supported)
 
 
-def _arch_config(path: Path, metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> LlamaArchConfig:
-    """Hyper-parameters from ``llama.*`` keys; ``shapes`` are GGUF (ne, innermost-first) shapes."""
-    if "rope_freqs.weight" in shapes or metadata.get("llama.rope.scaling.type", "none") != "none":
-        raise ModelLoadError(f"{path}: RoPE scaling (llama.rope.scaling.* / rope_freqs) is not supported")
-    if "token_embd.weight" not in shapes:
-        raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
-    hidden, vocab = shapes["token_embd.weight"]
-    try:
-        heads = metadata["llama.attention.head_count"]
-        return LlamaArchConfig(
-            architecture="LlamaForCausalLM",
-            vocab_size=vocab,
-            hidden_size=metadata["llama.embedding_length"],
-            intermediate_size=metadata["llama.feed_forward_length"],
-            num_hidden_layers=metadata["llama.block_count"],
-            num_attention_heads=heads,
-            num_key_value_heads=metadata.get("llama.attention.head_count_kv", heads),
-            head_dim=metadata.get("llama.attention.key_length", hidden // heads),
-            max_position_embeddings=metadata.get("llama.context_length", 2048),
-            rms_norm_eps=_shortest(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=_shortest(metadata.get("llama.rope.freq_base", 10000.0)),
-            tie_word_embeddings="output.weight" not in shapes,
-            attention_bias="blk.0.attn_q.bias" in shapes,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=gguf_eos_token_ids(metadata),
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"{path}: metadata key {e.args[0]!r} is missing") from e
-    except ValueError as e:
-        raise ModelLoadError(f"{path}: {e}") from e
-
-
-def _shortest(value: float) -> float:
-    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
-    return float(str(np.float32(value)))
-
-
 def _hf_name(path: Path, name: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
@@ -168,7 +136,7 @@ def _kept(tensor: gguf.ReaderTensor) -> BlockQuantized:
 
 
 def _unpermute(name: str, weight: np.ndarray | BlockQuantized,
-               arch: LlamaArchConfig) -> np.ndarray | BlockQuantized:
+               arch: ModelShape) -> np.ndarray | BlockQuantized:
     """Undo llama.cpp's ``permute`` of Q/K rows (per head: interleaved pairs -> two halves)."""
     if ".q_proj." in name:
         heads = arch.num_attention_heads

@@ -31,7 +31,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fd_core.model.kernels import PORTABLE_KERNELS
-from fd_core.model.rope import rope_tables
+from fd_core.model.rope import rope_tables, rotation_order
 from fd_kernels.quantized import BlockQuantized, stack_rows
 
 if TYPE_CHECKING:
@@ -129,9 +129,19 @@ class LlamaForCausalLM:
         self.dtype = dtype
         self.kernels = kernels
         # Attention's 1/sqrt(head_dim) is folded into q_proj (RoPE is linear, so it commutes), or with
-        # qk_norm into q_norm's weight (the norm would undo a scale before it).
-        q_scale = 1.0 / math.sqrt(arch.head_dim)
+        # qk_norm into q_norm's weight (the norm would undo a scale before it); Granite's residual
+        # multiplier into o_proj and down_proj, its logits scaling into the final norm.
+        q_scale = arch.attention_multiplier or 1.0 / math.sqrt(arch.head_dim)
         q_proj_scale = 1.0 if arch.qk_norm else q_scale
+        out_scale = arch.residual_multiplier
+        # Interleaved or partial RoPE is the kernels' kind on q/k rows reordered per head (see rotation_order).
+        head_order = rotation_order(arch.rope, arch.head_dim, interleaved=arch.interleaved_rope)
+
+        def rope_rows(weight: np.ndarray | BlockQuantized, heads: int) -> np.ndarray | BlockQuantized:
+            if head_order is None:
+                return weight
+            order = (np.arange(heads)[:, None] * arch.head_dim + head_order[None, :]).reshape(-1)
+            return weight.take_rows(order) if isinstance(weight, BlockQuantized) else weight[order]
 
         def tensor(array: np.ndarray | BlockQuantized) -> paddle.Tensor:
             if isinstance(array, BlockQuantized):
@@ -156,18 +166,20 @@ class LlamaForCausalLM:
         for i in range(arch.num_hidden_layers):
             p = f"model.layers.{i}."
             q, k, v = (f"{p}self_attn.{x}_proj" for x in "qkv")
-            qkv = linear(scaled(weights[f"{q}.weight"], q_proj_scale), weights[f"{k}.weight"], weights[f"{v}.weight"])
-            qkv_bias = (tensor(np.concatenate([weights[f"{q}.bias"] * q_proj_scale, weights[f"{k}.bias"],
-                                               weights[f"{v}.bias"]]))
+            heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+            qkv = linear(scaled(rope_rows(weights[f"{q}.weight"], heads), q_proj_scale),
+                         rope_rows(weights[f"{k}.weight"], kv_heads), weights[f"{v}.weight"])
+            qkv_bias = (tensor(np.concatenate([rope_rows(weights[f"{q}.bias"], heads) * q_proj_scale,
+                                               rope_rows(weights[f"{k}.bias"], kv_heads), weights[f"{v}.bias"]]))
                         if arch.attention_bias else None)
-            qk_norms = ((tensor(weights[f"{p}self_attn.q_norm.weight"] * q_scale),
-                         tensor(weights[f"{p}self_attn.k_norm.weight"])) if arch.qk_norm else None)
-            o = linear(weights[f"{p}self_attn.o_proj.weight"])
-            o_bias = tensor(weights[f"{p}self_attn.o_proj.bias"]) if arch.output_bias else None
-            # the fused layer kernel has neither q/k norms nor an o_proj bias: such layers run op by op
-            fusable = qk_norms is None and o_bias is None
+            qk_norms = ((tensor(rope_rows(weights[f"{p}self_attn.q_norm.weight"], 1) * q_scale),
+                         tensor(rope_rows(weights[f"{p}self_attn.k_norm.weight"], 1))) if arch.qk_norm else None)
+            o = linear(scaled(weights[f"{p}self_attn.o_proj.weight"], out_scale))
+            o_bias = tensor(weights[f"{p}self_attn.o_proj.bias"] * out_scale) if arch.output_bias else None
+            # the fused layer kernel has no q/k norms, o_proj bias or layer without RoPE: such layers run op by op
+            fusable = qk_norms is None and o_bias is None and i not in arch.no_rope_layers
             gate_up = linear(weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"])
-            down = linear(weights[f"{p}mlp.down_proj.weight"])
+            down = linear(scaled(weights[f"{p}mlp.down_proj.weight"], out_scale))
             self.layers.append(_LayerWeights(
                 input_norm=tensor(weights[f"{p}input_layernorm.weight"]), qkv=qkv, qkv_bias=qkv_bias,
                 qk_norms=qk_norms, o=o, o_bias=o_bias,
@@ -175,7 +187,7 @@ class LlamaForCausalLM:
                 fused=kernels.decoder_layer.bind([qkv, o, gate_up, down], qkv_bias) if fusable else None,
             ))
         self.runs = layer_runs(self.layers, kernels.decoder_layer)
-        self.norm = tensor(weights["model.norm.weight"])
+        self.norm = tensor(weights["model.norm.weight"] / np.float32(arch.logits_scaling))
         # [vocab, hidden], applied transposed (a tied head reads the embedding).
         head = embedding if arch.tie_word_embeddings else weights["lm_head.weight"]
         if keeps_blocks(head):
@@ -186,6 +198,8 @@ class LlamaForCausalLM:
         cos, sin = rope_tables(arch.rope, arch.head_dim, arch.max_position_embeddings)
         self.rope_cos = tensor(cos)
         self.rope_sin = tensor(sin)
+        # layers without RoPE write K/V through the same kernel with the identity rotation
+        self.no_rope = (tensor(np.ones_like(cos)), tensor(np.zeros_like(sin))) if arch.no_rope_layers else None
 
     def _mlp(self, h: paddle.Tensor, layer: _LayerWeights) -> paddle.Tensor:
         """down(swiglu(gate_up(h))), in chunks of MLP_ROWS rows: a chunk's gate/up activations
@@ -237,9 +251,12 @@ class LlamaForCausalLM:
         heads, head_dim = arch.num_attention_heads, arch.head_dim
         num_tokens = input_ids.shape[0]
         rope_write_kv = self.kernels.rope_write_kv(self.rope_cos, self.rope_sin, attn, heads)
+        plain_write_kv = self.kernels.rope_write_kv(*self.no_rope, attn, heads) if self.no_rope else None
         linear = self.kernels.linear
         fused_layer = self.kernels.decoder_layer
         x = F.embedding(input_ids, self.embed_tokens)
+        if arch.embedding_multiplier != 1.0:
+            x = x * arch.embedding_multiplier
         residual = None
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
@@ -250,8 +267,9 @@ class LlamaForCausalLM:
                                           attn, self.rope_cos, self.rope_sin, heads, head_dim, arch.rms_norm_eps,
                                           round_queries=self.round_queries)
                 continue
-            for layer, cache in zip(self.layers[run.start:run.stop], caches, strict=True):
-                x, residual = self._layer(x, residual, layer, cache, attn, rope_write_kv)
+            for index, cache in zip(range(run.start, run.stop), caches, strict=True):
+                write_kv = plain_write_kv if index in arch.no_rope_layers else rope_write_kv
+                x, residual = self._layer(x, residual, self.layers[index], cache, attn, write_kv)
         if attn.sample_indices.shape[0] == 0:
             return paddle.zeros([0, arch.vocab_size], dtype="float32")
         # Only sampled rows need the final norm and the (large) vocabulary projection.

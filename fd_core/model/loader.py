@@ -96,7 +96,7 @@ def _load_folder(folder: Path, plugins: ArchitecturePlugins) -> LoadedModel:
 def _load_gguf(path: Path, keep_quantized: bool, plugins: ArchitecturePlugins) -> LoadedModel:
     from fd_core.model.gguf_loader import load_gguf
 
-    arch, weights, metadata = load_gguf(path, keep_quantized=keep_quantized)
+    arch, weights, metadata = load_gguf(path, keep_quantized=keep_quantized, plugins=plugins)
     architecture = plugins.for_gguf(metadata["general.architecture"], str(path))
     tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(path))
     _check_weights(architecture, arch, weights, path)

@@ -24,6 +24,8 @@ KEYS: Final[dict[str, frozenset[str]]] = {
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
     "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
                        "mscale", "mscale_all_dim", "truncate"}),
+    "longrope": frozenset({"short_factor", "long_factor", "factor", "attention_factor",
+                           "original_max_position_embeddings"}),
 }
 #: Keys each type must have.
 REQUIRED: Final[dict[str, frozenset[str]]] = {
@@ -32,6 +34,7 @@ REQUIRED: Final[dict[str, frozenset[str]]] = {
     "dynamic": frozenset({"factor"}),
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
     "yarn": frozenset({"original_max_position_embeddings"}),
+    "longrope": frozenset({"short_factor", "long_factor", "original_max_position_embeddings"}),
 }
 
 
@@ -45,18 +48,27 @@ class RopeConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """One model's RoPE: base ``theta``, the scaling ``type`` and that type's ``params``."""
+    """One model's RoPE: base ``theta``, the scaling ``type``, that type's ``params``, and the share of
+    each head's dimensions that rotates (the rest pass through)."""
 
     theta: float = 10000.0
     type: str = "default"
     params: Mapping[str, Any] = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """Dimensions of a head that rotate: the first ``rotary_dim`` (transformers' convention)."""
+        return int(head_dim * self.partial_rotary_factor)
 
     def context_length(self, max_position_embeddings: int) -> int:
         """Positions the model serves: yarn stretches the pre-trained window by its factor (as its
         configs intend: ``max_position_embeddings`` often keeps the pre-trained value); the other
         types serve ``max_position_embeddings``. ``dynamic`` stays within it, where its frequencies
-        are the unscaled ones (transformers rescales only beyond it, per forward pass, which a
-        paged KV cache written at earlier lengths cannot reproduce)."""
+        are the unscaled ones, and ``longrope`` within its pre-trained window, where they are the
+        short factors (transformers switches frequencies by the longest sequence of each forward
+        pass, which a paged KV cache written at earlier lengths cannot reproduce)."""
+        if self.type == "longrope":
+            return min(max_position_embeddings, self.params["original_max_position_embeddings"])
         if self.type != "yarn":
             return max_position_embeddings
         stretched = int(self.params["original_max_position_embeddings"] * self.params["factor"])
@@ -76,9 +88,11 @@ def parse_rope(config: Mapping[str, Any]) -> RopeScaling:
     settings.pop("type", None)
     if rope_type not in KEYS:
         raise RopeConfigError(f"{where}.rope_type", f"{rope_type!r} is not supported; supported: {', '.join(KEYS)}")
-    if settings.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise RopeConfigError(f"{where}.partial_rotary_factor", "partial rotary embeddings are not supported by "
-                                                                "this architecture")
+    partial = float(settings.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < partial <= 1.0:
+        raise RopeConfigError(f"{where}.partial_rotary_factor", f"{partial} is not in (0, 1]")
+    if rope_type == "longrope" and "original_max_position_embeddings" not in settings:   # Phi-3 keeps it outside
+        settings["original_max_position_embeddings"] = config.get("original_max_position_embeddings")
     unknown = sorted(settings.keys() - KEYS[rope_type])
     if unknown:
         raise RopeConfigError(f"{where}.{unknown[0]}", f"is not a setting of rope_type {rope_type!r} "
@@ -86,14 +100,21 @@ def parse_rope(config: Mapping[str, Any]) -> RopeScaling:
     missing = sorted(REQUIRED[rope_type] - {k for k, v in settings.items() if v is not None})
     if missing:
         raise RopeConfigError(f"{where}.{missing[0]}", f"rope_type {rope_type!r} needs it")
-    if rope_type == "yarn" and settings.get("factor") is None:   # transformers: the window's growth
+    if rope_type in ("yarn", "longrope") and settings.get("factor") is None:   # transformers: the window's growth
         settings["factor"] = config["max_position_embeddings"] / settings["original_max_position_embeddings"]
-    return RopeScaling(theta, rope_type, settings)
+    return RopeScaling(theta, rope_type, settings, partial)
 
 
 def inverse_frequencies(rope: RopeScaling, head_dim: int) -> tuple[np.ndarray, float]:
-    """float32 ``inv_freq [head_dim // 2]`` and the attention factor cos and sin are multiplied by."""
-    dim = head_dim
+    """float32 ``inv_freq [head_dim // 2]`` and the attention factor cos and sin are multiplied by;
+    with partial rotary, the frequencies of the pairs that do not rotate are 0."""
+    inv_freq, attention_factor = _rotating_frequencies(rope, rope.rotary_dim(head_dim))
+    padded = np.zeros(head_dim // 2, dtype=np.float32)
+    padded[: inv_freq.shape[0]] = inv_freq
+    return padded, attention_factor
+
+
+def _rotating_frequencies(rope: RopeScaling, dim: int) -> tuple[np.ndarray, float]:
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     p = rope.params
@@ -103,7 +124,23 @@ def inverse_frequencies(rope: RopeScaling, head_dim: int) -> tuple[np.ndarray, f
         return (inv_freq / np.float32(p["factor"])).astype(np.float32), 1.0
     if rope.type == "llama3":
         return _llama3(inv_freq, p), 1.0
+    if rope.type == "longrope":
+        return _longrope(rope, dim, exponents)
     return _yarn(rope, dim)
+
+
+def _longrope(rope: RopeScaling, dim: int, exponents: np.ndarray) -> tuple[np.ndarray, float]:
+    """The short factors (see :meth:`RopeScaling.context_length`) and Phi-3's attention factor."""
+    p = rope.params
+    short = np.asarray(p["short_factor"], dtype=np.float32)
+    if short.shape != (dim // 2,):
+        raise RopeConfigError("rope_scaling.short_factor", f"has {short.shape[0]} factors; {dim // 2} expected")
+    factor, attention_factor = p["factor"], p.get("attention_factor")
+    if attention_factor is None:
+        original = p["original_max_position_embeddings"]
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    inv_freq = (np.float32(1.0) / (short * np.float32(rope.theta) ** exponents)).astype(np.float32)
+    return inv_freq, float(attention_factor)
 
 
 def _llama3(inv_freq: np.ndarray, p: Mapping[str, Any]) -> np.ndarray:
@@ -151,6 +188,24 @@ def _yarn(rope: RopeScaling, dim: int) -> tuple[np.ndarray, float]:
     return inv_freq, float(attention_factor)
 
 
+def rotation_order(rope: RopeScaling, head_dim: int, *, interleaved: bool = False) -> np.ndarray | None:
+    """How to reorder one head's q/k rows so that the kernels' rotation (pairs ``(j, j + d/2)`` at
+    frequency ``j``, see :func:`rope_tables`) computes this model's: pairs ``(2i, 2i + 1)`` when
+    ``interleaved`` (ERNIE), else ``(i, i + r/2)`` of the first ``r`` rotating dimensions, the
+    others passing through (frequency 0). None when no reordering is needed. q.k is unchanged when
+    queries and keys are reordered alike."""
+    rotary = rope.rotary_dim(head_dim)
+    if rotary == head_dim and not interleaved:
+        return None
+    if interleaved:
+        first, second = np.arange(0, rotary, 2), np.arange(1, rotary, 2)
+    else:
+        first, second = np.arange(rotary // 2), np.arange(rotary // 2, rotary)
+    passing = np.arange(rotary, head_dim)
+    half = passing.shape[0] // 2
+    return np.concatenate([first, passing[:half], second, passing[half:]])
+
+
 def rope_tables(rope: RopeScaling, head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos and signed-sin tables ``[positions, head_dim]`` (float32, as transformers computes them).
 
@@ -161,7 +216,9 @@ def rope_tables(rope: RopeScaling, head_dim: int, positions: int) -> tuple[np.nd
     freqs = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
     angles = np.concatenate([freqs, freqs], axis=-1).astype(np.float32)
     cos, sin = np.cos(angles), np.sin(angles)
-    if attention_factor != 1.0:
-        cos, sin = cos * np.float32(attention_factor), sin * np.float32(attention_factor)
+    if attention_factor != 1.0:   # scales the rotating pairs only (pairs j < rotary_dim / 2, see rotation_order)
+        pair = np.arange(head_dim) % (head_dim // 2)
+        scale = np.where(pair < rope.rotary_dim(head_dim) // 2, np.float32(attention_factor), np.float32(1.0))
+        cos, sin = cos * scale, sin * scale
     sin[:, : head_dim // 2] *= -1
     return cos.astype(np.float32), sin.astype(np.float32)

@@ -1,8 +1,11 @@
-"""The built-in Llama-family architecture: Llama 1-3.x, Mistral, Qwen2/2.5 and Qwen3.
+"""The built-in Llama-family architecture: Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3, Granite, SmolLM3
+and ERNIE 4.5 (dense).
 
 One decoder (``fd_core.model.llama``) with switches: q/k/v biases (Qwen2), an o_proj bias
-(``attention_bias`` on Llama / Qwen3), per-head q/k RMSNorm (Qwen3), and every RoPE scaling of
-``fd_core.model.rope`` (Llama 3.1-3.3's ``llama3``, ``linear``, ``dynamic``, ``yarn``). A sliding
+(``attention_bias`` on Llama / Qwen3), per-head q/k RMSNorm (Qwen3), Granite's embedding,
+attention, residual and logit multipliers, SmolLM3's layers without RoPE, ERNIE's interleaved
+RoPE, and every RoPE scaling of ``fd_core.model.rope`` (Llama 3.1-3.3's ``llama3``, ``linear``,
+``dynamic``, ``yarn``). A sliding
 window (Mistral; Qwen2/3 with ``use_sliding_window``) shorter than the context caps the served
 context at the window: within it, windowed attention is full attention, so the model stays exact.
 
@@ -16,10 +19,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
+import numpy as np
+
 from fd_core.contracts.architecture import ArchitectureConfigError, ModelArchitecture, ModelPrecision
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.model.arch import LlamaArchConfig
 from fd_core.model.rope import RopeConfigError, parse_rope
+from fd_core.model.tokenizer import gguf_eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +35,17 @@ ARCHITECTURES: Final[dict[str, tuple[str, bool]]] = {
     "MistralForCausalLM": ("mistral", False),
     "Qwen2ForCausalLM": ("qwen2", True),
     "Qwen3ForCausalLM": ("qwen3", False),
+    "GraniteForCausalLM": ("granite", False),
+    "SmolLM3ForCausalLM": ("smollm3", False),
+    "Ernie4_5ForCausalLM": ("ernie4_5", False),
+    "Phi3ForCausalLM": ("phi3", False),
+}
+#: model_type -> keys only that family's configs have (read by the parser).
+FAMILY_KEYS: Final[dict[str, frozenset[str]]] = {
+    "granite": frozenset({"embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"}),
+    "smollm3": frozenset({"no_rope_layers", "no_rope_layer_interval"}),
+    "ernie4_5": frozenset({"use_bias"}),
+    "phi3": frozenset({"original_max_position_embeddings", "partial_rotary_factor"}),
 }
 
 #: Keys the parser reads (their values decide the model).
@@ -43,8 +60,9 @@ READ: Final = frozenset({
 NO_EFFECT: Final[dict[str, str]] = {
     **dict.fromkeys(("_name_or_path", "_commit_hash", "transformers_version", "torch_dtype", "dtype",
                      "use_bfloat16"), "where the checkpoint came from and its storage dtype (read from the tensors)"),
-    **dict.fromkeys(("use_cache", "initializer_range", "attention_dropout", "pad_token_id", "output_attentions",
-                     "output_hidden_states", "return_dict", "use_return_dict", "torchscript", "tf_legacy_loss",
+    **dict.fromkeys(("use_cache", "initializer_range", "attention_dropout", "resid_pdrop", "embd_pdrop",
+                     "pad_token_id", "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
+                     "torchscript", "tf_legacy_loss",
                      "pruned_heads", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
                      "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder", "id2label",
                      "label2id", "problem_type", "finetuning_task", "tokenizer_class", "prefix", "sep_token_id",
@@ -62,6 +80,14 @@ NO_EFFECT: Final[dict[str, str]] = {
 }
 
 
+#: The ``llama.*`` GGUF metadata keys (without the prefix) the GGUF parser reads.
+GGUF_KEYS: Final = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
+    "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "vocab_size", "expert_count", "expert_used_count",
+})
+
+
 class LlamaFamily(ModelArchitecture):
     """Llama, Mistral, Qwen2 and Qwen3 decoders (``fd_core.model.llama``)."""
 
@@ -71,15 +97,16 @@ class LlamaFamily(ModelArchitecture):
     gguf_architectures: ClassVar[tuple[str, ...]] = ("llama",)
 
     def parse_hf_config(self, config: Mapping[str, Any], generation: Mapping[str, Any]) -> LlamaArchConfig:
-        unknown = sorted(config.keys() - READ - NO_EFFECT.keys())
-        if unknown:
-            raise ArchitectureConfigError(unknown[0], "is not a key the Llama-family plugin understands, and an "
-                                                      "ignored key could mean a different model")
         architecture = _architecture(config)
         model_type, qkv_bias = ARCHITECTURES[architecture]
+        unknown = sorted(config.keys() - READ - NO_EFFECT.keys() - FAMILY_KEYS.get(model_type, frozenset()))
+        if unknown:
+            raise ArchitectureConfigError(unknown[0], f"is not a key the Llama-family plugin understands for "
+                                                      f"{architecture} (an ignored key could mean another model)")
         _expect(config, "hidden_act", "silu")
         _expect(config, "mlp_bias", False)
         _expect(config, "use_mrope", False)
+        _expect(config, "use_bias", False)
         heads = _get(config, "num_attention_heads")
         attention_bias = bool(config.get("attention_bias", False))
         try:
@@ -87,6 +114,11 @@ class LlamaFamily(ModelArchitecture):
         except RopeConfigError as e:
             raise ArchitectureConfigError(e.key, str(e).removeprefix(f"{e.key}: ")) from e
         context = rope.context_length(config.get("max_position_embeddings", 2048))
+        head_dim = config.get("head_dim") or _get(config, "hidden_size") // heads
+        rotary = rope.rotary_dim(head_dim)
+        if rotary % 2 or (head_dim - rotary) % 2:
+            raise ArchitectureConfigError("partial_rotary_factor", f"rotates {rotary} of {head_dim} dimensions; "
+                                                                   "both parts must be even")
         window = _sliding_window(config, architecture)
         if window is not None and window < context:
             log.info("%s: sliding window of %d tokens: the served context is capped at it (windowed attention "
@@ -102,16 +134,23 @@ class LlamaFamily(ModelArchitecture):
                 num_hidden_layers=_get(config, "num_hidden_layers"),
                 num_attention_heads=heads,
                 num_key_value_heads=config.get("num_key_value_heads") or heads,
-                head_dim=config.get("head_dim") or _get(config, "hidden_size") // heads,
+                head_dim=head_dim,
                 max_position_embeddings=context,
                 rms_norm_eps=config.get("rms_norm_eps", 1e-6),
                 rope_theta=rope.theta,
                 rope_type=rope.type,
                 rope_params=dict(rope.params),
+                partial_rotary_factor=rope.partial_rotary_factor,
                 tie_word_embeddings=config.get("tie_word_embeddings", False),
                 attention_bias=qkv_bias or attention_bias,
                 output_bias=attention_bias and not qkv_bias,
                 qk_norm=model_type == "qwen3",
+                interleaved_rope=model_type == "ernie4_5",
+                no_rope_layers=_no_rope_layers(config) if model_type == "smollm3" else (),
+                embedding_multiplier=config.get("embedding_multiplier", 1.0),
+                attention_multiplier=config.get("attention_multiplier"),
+                residual_multiplier=config.get("residual_multiplier", 1.0),
+                logits_scaling=config.get("logits_scaling", 1.0),
                 bos_token_id=generation.get("bos_token_id", config.get("bos_token_id")),
                 eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or ()),
             )
@@ -139,9 +178,82 @@ class LlamaFamily(ModelArchitecture):
             "qwen2": {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                       "tie_word_embeddings": True},
             "qwen3": qwen3,
+            "granite": {**base, "architectures": ["GraniteForCausalLM"], "model_type": "granite",
+                        "embedding_multiplier": 6.0, "attention_multiplier": 0.11, "residual_multiplier": 0.4,
+                        "logits_scaling": 4.0, "tie_word_embeddings": True},
+            "smollm3": {**base, "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "pad_token_id": 0,
+                        "num_hidden_layers": 4, "no_rope_layer_interval": 2, "tie_word_embeddings": True},
+            "phi3_partial_longrope": {
+                **base, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "pad_token_id": 0,
+                "partial_rotary_factor": 0.75,
+                "max_position_embeddings": 512, "original_max_position_embeddings": 128, "sliding_window": 2047,
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                 "long_factor": [2.0 + i for i in range(6)]}},
+            "ernie4_5": {**base, "architectures": ["Ernie4_5ForCausalLM"], "model_type": "ernie4_5", "head_dim": 32,
+                         "use_bias": False, "rope_theta": 500000.0},
             "qwen3_bias_yarn": {**qwen3, "attention_bias": True, "rope_scaling": {
                 "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}},
         }
+
+    def parse_gguf(self, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]]) -> LlamaArchConfig:
+        """``llama.*`` keys (each read or refused by name); ``tensor_shapes`` are GGUF (innermost-first) shapes."""
+        keys = {key.removeprefix("llama.") for key in metadata if key.startswith("llama.")}
+        unknown = sorted(keys - GGUF_KEYS)
+        if unknown:
+            raise ArchitectureConfigError(f"llama.{unknown[0]}", "is not a key the Llama-family plugin understands")
+        if "rope_freqs.weight" in tensor_shapes or metadata.get("llama.rope.scaling.type", "none") != "none":
+            raise ArchitectureConfigError("llama.rope.scaling.type", "RoPE scaling in GGUF files (llama.rope.scaling.* "
+                                                                     "or a rope_freqs tensor) is not supported yet")
+        for key in ("expert_count", "expert_used_count"):
+            if metadata.get(f"llama.{key}", 0):
+                raise ArchitectureConfigError(f"llama.{key}", "mixture-of-experts llama files are not supported")
+        if "token_embd.weight" not in tensor_shapes:
+            raise ArchitectureConfigError("token_embd.weight", "the tensor is missing")
+        hidden, vocab = tensor_shapes["token_embd.weight"]
+        heads = _gguf(metadata, "attention.head_count")
+        head_dim = metadata.get("llama.attention.key_length", hidden // heads)
+        for key, wanted in (("attention.value_length", head_dim), ("rope.dimension_count", head_dim),
+                            ("vocab_size", vocab)):
+            if metadata.get(f"llama.{key}", wanted) != wanted:
+                raise ArchitectureConfigError(f"llama.{key}", f"{metadata[f'llama.{key}']} is not supported "
+                                                              f"(this file's layout needs {wanted})")
+        try:
+            return LlamaArchConfig(
+                architecture="LlamaForCausalLM",
+                vocab_size=vocab,
+                hidden_size=_gguf(metadata, "embedding_length"),
+                intermediate_size=_gguf(metadata, "feed_forward_length"),
+                num_hidden_layers=_gguf(metadata, "block_count"),
+                num_attention_heads=heads,
+                num_key_value_heads=metadata.get("llama.attention.head_count_kv", heads),
+                head_dim=head_dim,
+                max_position_embeddings=metadata.get("llama.context_length", 2048),
+                rms_norm_eps=_shortest(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+                rope_theta=_shortest(metadata.get("llama.rope.freq_base", 10000.0)),
+                tie_word_embeddings="output.weight" not in tensor_shapes,
+                attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+                bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+                eos_token_ids=gguf_eos_token_ids(metadata),
+            )
+        except ValueError as e:
+            raise ArchitectureConfigError("llama.attention.head_count_kv", str(e)) from e
+
+    def prepare_weights(self, shape: LlamaArchConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Phi-3 checkpoints fuse ``qkv_proj`` and ``gate_up_proj``: split them into the Llama names."""
+        q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+        for name in [n for n in weights if n.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))]:
+            fused = weights.pop(name)
+            if name.endswith(".qkv_proj.weight"):
+                prefix = name.removesuffix("qkv_proj.weight")
+                parts = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+            else:
+                prefix = name.removesuffix("gate_up_proj.weight")
+                parts = {"gate_proj": shape.intermediate_size, "up_proj": shape.intermediate_size}
+            if fused.shape[0] != sum(parts.values()):
+                return {**weights, name: fused}   # weight_shapes' check names it
+            for (part, rows), start in zip(parts.items(), np.cumsum([0, *parts.values()]), strict=False):
+                weights[f"{prefix}{part}.weight"] = fused[start:start + rows]
+        return weights
 
     def weight_shapes(self, shape: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
         from fd_core.model.llama import weight_shapes
@@ -155,6 +267,17 @@ class LlamaFamily(ModelArchitecture):
         return LlamaForCausalLM(shape, weights, dtype=precision.dtype, kernels=kernels,
                                 linear_weights=precision.linear_weights, linear_inputs=precision.linear_inputs,
                                 attention_inputs=precision.attention_inputs)
+
+
+def _gguf(metadata: Mapping[str, Any], key: str) -> Any:
+    if f"llama.{key}" not in metadata:
+        raise ArchitectureConfigError(f"llama.{key}", "missing")
+    return metadata[f"llama.{key}"]
+
+
+def _shortest(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
 
 
 def _architecture(config: Mapping[str, Any]) -> str:
@@ -181,10 +304,23 @@ def _expect(config: Mapping[str, Any], key: str, value: Any) -> None:
         raise ArchitectureConfigError(key, f"{config[key]!r} is not supported (only {value!r})")
 
 
+def _no_rope_layers(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """SmolLM3: the layers ``no_rope_layers`` marks 0 (1: the layer uses RoPE); without the list,
+    every ``no_rope_layer_interval``-th layer (default 4), as transformers derives it."""
+    layers = _get(config, "num_hidden_layers")
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = config.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers or set(flags) - {0, 1}:
+        raise ArchitectureConfigError("no_rope_layers", "needs one 0 or 1 per layer")
+    return tuple(i for i, flag in enumerate(flags) if not flag)
+
+
 def _sliding_window(config: Mapping[str, Any], architecture: str) -> int | None:
     """The attention window of the layers that have one, or None: every layer attends to all."""
     window = config.get("sliding_window")
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):   # every layer has the window
         return window
     layer_types = config.get("layer_types")
     if layer_types is not None:

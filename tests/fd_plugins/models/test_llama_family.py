@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from fd_core.contracts.architecture import ArchitectureConfigError
 from fd_core.testing.conformance import check_architecture, run_architecture_checks
 from fd_plugins.models.llama import LlamaFamily
 
@@ -22,3 +23,28 @@ def test_greedy_tokens_match_transformers_on_every_tiny_config() -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     check_architecture(LlamaFamily)
+
+
+GGUF_METADATA = {"general.architecture": "llama", "llama.context_length": 512, "llama.embedding_length": 64,
+                 "llama.block_count": 2, "llama.feed_forward_length": 96, "llama.attention.head_count": 4,
+                 "llama.attention.head_count_kv": 2, "llama.rope.dimension_count": 16,
+                 "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 10000.0}
+GGUF_SHAPES = {"token_embd.weight": (64, 160), "output.weight": (64, 160)}
+
+
+def test_gguf_metadata_parses_into_the_shape() -> None:
+    arch = LlamaFamily().parse_gguf(GGUF_METADATA, GGUF_SHAPES)
+    assert (arch.vocab_size, arch.hidden_size, arch.head_dim, arch.num_key_value_heads, arch.tie_word_embeddings) == (
+        160, 64, 16, 2, False)
+
+
+@pytest.mark.parametrize(("change", "key"), [
+    ({"llama.attention.sliding_window": 64}, "llama.attention.sliding_window"),
+    ({"llama.expert_count": 8}, "llama.expert_count"),
+    ({"llama.rope.dimension_count": 8}, "llama.rope.dimension_count"),
+    ({"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.type"),
+])
+def test_a_gguf_key_the_plugin_cannot_serve_is_refused_by_name(change: dict, key: str) -> None:
+    with pytest.raises(ArchitectureConfigError) as info:
+        LlamaFamily().parse_gguf({**GGUF_METADATA, **change}, GGUF_SHAPES)
+    assert info.value.key == key

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.outputs import SampledToken, ScheduledRequest, StepPlan, StepResult
 from fd_core.request import FinishReason, RequestStatus
 from fd_plugins.token_processors.default import DefaultTokenProcessor, DefaultTokenProcessorSettings
@@ -21,7 +22,7 @@ STOP_SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=
 def test_registered_under_its_entry_point():
     (ep,) = [ep for ep in entry_points(group="fd.token_processors") if ep.name == "default"]
     assert ep.load() is DefaultTokenProcessor
-    assert DefaultTokenProcessor.name == "default" and DefaultTokenProcessor.fd_hookspec_version == 3
+    assert DefaultTokenProcessor.name == "default" and DefaultTokenProcessor.fd_hookspec_version == FD_HOOKSPEC_VERSION
 
 
 def test_settings_reject_unknown_keys():
