@@ -16,6 +16,39 @@ from fd_core.model.rope import RopeScaling
 
 
 @dataclass(frozen=True, slots=True)
+class MoeShape:
+    """The experts of a MoE layer and how tokens are routed to them."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int          # each expert's
+    renormalize: bool               # the top-k weights are divided by their sum
+    norm_min: float = 0.0           # ... clamped below at this (ERNIE: 1e-12)
+    score_correction: bool = False  # ERNIE: ranks by softmax + e_score_correction_bias
+    shared_intermediate_size: int = 0  # shared experts' MLP (0: none)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+
+    def weight_shapes(self, prefix: str, hidden: int) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of the layer's MoE tensors (Hugging Face names under ``prefix`` = ``...mlp.``)."""
+        shapes: dict[str, tuple[int, ...]] = {f"{prefix}gate.weight": (self.num_experts, hidden)}
+        for e in range(self.num_experts):
+            shapes |= {f"{prefix}experts.{e}.gate_proj.weight": (self.intermediate_size, hidden),
+                       f"{prefix}experts.{e}.up_proj.weight": (self.intermediate_size, hidden),
+                       f"{prefix}experts.{e}.down_proj.weight": (hidden, self.intermediate_size)}
+        if self.score_correction:
+            shapes[f"{prefix}moe_statics.e_score_correction_bias"] = (1, self.num_experts)
+        if self.shared_intermediate_size:
+            size = self.shared_intermediate_size
+            shapes |= {f"{prefix}shared_experts.gate_proj.weight": (size, hidden),
+                       f"{prefix}shared_experts.up_proj.weight": (size, hidden),
+                       f"{prefix}shared_experts.down_proj.weight": (hidden, size)}
+        return shapes
+
+
+@dataclass(frozen=True, slots=True)
 class LlamaArchConfig:
     """Hyper-parameters of a Llama / SmolLM2 / Qwen2 shaped model.
 
@@ -53,10 +86,14 @@ class LlamaArchConfig:
     attention_multiplier: float | None = None  # Granite: replaces attention's 1/sqrt(head_dim)
     residual_multiplier: float = 1.0      # Granite: scales each sublayer's output before its residual add
     logits_scaling: float = 1.0           # Granite: divides the logits
+    moe: MoeShape | None = None           # the experts of the layers in moe_layers (Qwen3-MoE, ERNIE 4.5 MoE)
+    moe_layers: tuple[int, ...] = ()      # layers whose MLP is a mixture of experts
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        if self.moe_layers and self.moe is None:
+            raise ValueError("moe_layers are given without a moe shape")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "

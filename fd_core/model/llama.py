@@ -31,6 +31,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fd_core.model.kernels import PORTABLE_KERNELS
+from fd_core.model.moe import MoeWeights, moe_forward, prepare_moe
 from fd_core.model.rope import rope_tables, rotation_order
 from fd_kernels.quantized import BlockQuantized, stack_rows
 
@@ -62,8 +63,9 @@ class _LayerWeights:
     o: Any                          # [H * head_dim, hidden]
     o_bias: paddle.Tensor | None    # [hidden] when output_bias
     post_norm: paddle.Tensor        # [hidden]
-    gate_up: Any                    # [hidden, 2 * intermediate]: gate, then up columns
-    down: Any                       # [intermediate, hidden]
+    gate_up: Any                    # [hidden, 2 * intermediate]: gate, then up columns (None in a MoE layer)
+    down: Any                       # [intermediate, hidden] (None in a MoE layer)
+    moe: MoeWeights | None          # the layer's experts, in place of gate_up / down
     fused: Any                      # the fused layer kernel's operands, or None: run op by op
 
 
@@ -176,14 +178,20 @@ class LlamaForCausalLM:
                          tensor(rope_rows(weights[f"{p}self_attn.k_norm.weight"], 1))) if arch.qk_norm else None)
             o = linear(scaled(weights[f"{p}self_attn.o_proj.weight"], out_scale))
             o_bias = tensor(weights[f"{p}self_attn.o_proj.bias"] * out_scale) if arch.output_bias else None
-            # the fused layer kernel has no q/k norms, o_proj bias or layer without RoPE: such layers run op by op
-            fusable = qk_norms is None and o_bias is None and i not in arch.no_rope_layers
-            gate_up = linear(weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"])
-            down = linear(scaled(weights[f"{p}mlp.down_proj.weight"], out_scale))
+            # the fused layer kernel has no q/k norms, o_proj bias, layer without RoPE or experts: such
+            # layers run op by op
+            fusable = (qk_norms is None and o_bias is None and i not in arch.no_rope_layers
+                       and i not in arch.moe_layers)
+            if i in arch.moe_layers:   # experts instead of the dense MLP
+                moe, gate_up, down = prepare_moe(arch.moe, f"{p}mlp.", weights, tensor, linear), None, None
+            else:
+                moe = None
+                gate_up = linear(weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"])
+                down = linear(scaled(weights[f"{p}mlp.down_proj.weight"], out_scale))
             self.layers.append(_LayerWeights(
                 input_norm=tensor(weights[f"{p}input_layernorm.weight"]), qkv=qkv, qkv_bias=qkv_bias,
                 qk_norms=qk_norms, o=o, o_bias=o_bias,
-                post_norm=tensor(weights[f"{p}post_attention_layernorm.weight"]), gate_up=gate_up, down=down,
+                post_norm=tensor(weights[f"{p}post_attention_layernorm.weight"]), gate_up=gate_up, down=down, moe=moe,
                 fused=kernels.decoder_layer.bind([qkv, o, gate_up, down], qkv_bias) if fusable else None,
             ))
         self.runs = layer_runs(self.layers, kernels.decoder_layer)
@@ -204,7 +212,9 @@ class LlamaForCausalLM:
     def _mlp(self, h: paddle.Tensor, layer: _LayerWeights) -> paddle.Tensor:
         """down(swiglu(gate_up(h))), in chunks of MLP_ROWS rows: a chunk's gate/up activations
         (rows x 2 x intermediate floats) stay in the CPU's cache on their way into SwiGLU instead
-        of a whole prefill step's going out to memory and back."""
+        of a whole prefill step's going out to memory and back. A MoE layer runs its experts."""
+        if layer.moe is not None:
+            return moe_forward(h, layer.moe, self.kernels)
         linear, swiglu = self.kernels.linear, self.kernels.swiglu
         rows = h.shape[0]
         if rows <= MLP_ROWS:
@@ -301,9 +311,6 @@ def weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
-            p + "mlp.up_proj.weight": (arch.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, arch.intermediate_size),
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
@@ -313,6 +320,12 @@ def weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.bias": (kv,),
                 p + "self_attn.v_proj.bias": (kv,),
             }
+        if i in arch.moe_layers:
+            shapes |= arch.moe.weight_shapes(p + "mlp.", h)
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
+                       p + "mlp.up_proj.weight": (arch.intermediate_size, h),
+                       p + "mlp.down_proj.weight": (h, arch.intermediate_size)}
         if arch.output_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if arch.qk_norm:

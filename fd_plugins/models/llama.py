@@ -23,7 +23,7 @@ import numpy as np
 
 from fd_core.contracts.architecture import ArchitectureConfigError, ModelArchitecture, ModelPrecision
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
-from fd_core.model.arch import LlamaArchConfig
+from fd_core.model.arch import LlamaArchConfig, MoeShape
 from fd_core.model.rope import RopeConfigError, parse_rope
 from fd_core.model.tokenizer import gguf_eos_token_ids
 
@@ -39,6 +39,8 @@ ARCHITECTURES: Final[dict[str, tuple[str, bool]]] = {
     "SmolLM3ForCausalLM": ("smollm3", False),
     "Ernie4_5ForCausalLM": ("ernie4_5", False),
     "Phi3ForCausalLM": ("phi3", False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False),
+    "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", False),
 }
 #: model_type -> keys only that family's configs have (read by the parser).
 FAMILY_KEYS: Final[dict[str, frozenset[str]]] = {
@@ -46,6 +48,11 @@ FAMILY_KEYS: Final[dict[str, frozenset[str]]] = {
     "smollm3": frozenset({"no_rope_layers", "no_rope_layer_interval"}),
     "ernie4_5": frozenset({"use_bias"}),
     "phi3": frozenset({"original_max_position_embeddings", "partial_rotary_factor"}),
+    "qwen3_moe": frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}),
+    "ernie4_5_moe": frozenset({"use_bias", "moe_num_experts", "moe_k", "moe_intermediate_size",
+                               "moe_num_shared_experts", "moe_layer_start_index", "moe_layer_end_index",
+                               "moe_layer_interval", "moe_norm_min", "num_nextn_predict_layers"}),
 }
 
 #: Keys the parser reads (their values decide the model).
@@ -77,6 +84,7 @@ NO_EFFECT: Final[dict[str, str]] = {
                      "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
                      "suppress_tokens", "begin_suppress_tokens"),
                     "generation defaults: each request carries its own sampling settings"),
+    **dict.fromkeys(("output_router_logits", "router_aux_loss_coef"), "mixture-of-experts training settings"),
 }
 
 
@@ -144,13 +152,14 @@ class LlamaFamily(ModelArchitecture):
                 tie_word_embeddings=config.get("tie_word_embeddings", False),
                 attention_bias=qkv_bias or attention_bias,
                 output_bias=attention_bias and not qkv_bias,
-                qk_norm=model_type == "qwen3",
-                interleaved_rope=model_type == "ernie4_5",
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                interleaved_rope=model_type in ("ernie4_5", "ernie4_5_moe"),
                 no_rope_layers=_no_rope_layers(config) if model_type == "smollm3" else (),
                 embedding_multiplier=config.get("embedding_multiplier", 1.0),
                 attention_multiplier=config.get("attention_multiplier"),
                 residual_multiplier=config.get("residual_multiplier", 1.0),
                 logits_scaling=config.get("logits_scaling", 1.0),
+                **_experts(config, model_type),
                 bos_token_id=generation.get("bos_token_id", config.get("bos_token_id")),
                 eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or ()),
             )
@@ -189,6 +198,16 @@ class LlamaFamily(ModelArchitecture):
                 "max_position_embeddings": 512, "original_max_position_embeddings": 128, "sliding_window": 2047,
                 "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
                                  "long_factor": [2.0 + i for i in range(6)]}},
+            "qwen3_moe": {**qwen3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                          "num_hidden_layers": 3, "num_experts": 6, "num_experts_per_tok": 2,
+                          "moe_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [0]},
+            "qwen3_moe_renormalized": {**qwen3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                                       "num_experts": 4, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                                       "norm_topk_prob": True, "decoder_sparse_step": 2},
+            "ernie4_5_moe": {**base, "architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe",
+                             "num_hidden_layers": 3, "head_dim": 32, "moe_num_experts": 6, "moe_k": 2,
+                             "moe_intermediate_size": 32, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
+                             "moe_layer_end_index": 2, "pad_token_id": 0},
             "ernie4_5": {**base, "architectures": ["Ernie4_5ForCausalLM"], "model_type": "ernie4_5", "head_dim": 32,
                          "use_bias": False, "rope_theta": 500000.0},
             "qwen3_bias_yarn": {**qwen3, "attention_bias": True, "rope_scaling": {
@@ -302,6 +321,30 @@ def _get(config: Mapping[str, Any], key: str) -> Any:
 def _expect(config: Mapping[str, Any], key: str, value: Any) -> None:
     if config.get(key, value) != value:
         raise ArchitectureConfigError(key, f"{config[key]!r} is not supported (only {value!r})")
+
+
+def _experts(config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """``moe`` and ``moe_layers`` of a Qwen3-MoE or ERNIE 4.5 MoE config (transformers' layer rules)."""
+    layers = range(_get(config, "num_hidden_layers"))
+    if model_type == "qwen3_moe":
+        experts = config.get("num_experts", config.get("num_local_experts"))
+        if experts is None:
+            raise ArchitectureConfigError("num_experts", "missing")
+        step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
+        shape = MoeShape(experts, _get(config, "num_experts_per_tok"), _get(config, "moe_intermediate_size"),
+                         renormalize=bool(config.get("norm_topk_prob", False)))
+        return {"moe": shape, "moe_layers": tuple(i for i in layers if i not in dense and (i + 1) % step == 0)}
+    if model_type == "ernie4_5_moe":
+        if config.get("num_nextn_predict_layers"):
+            raise ArchitectureConfigError("num_nextn_predict_layers", "multi-token prediction layers are not supported")
+        size = _get(config, "moe_intermediate_size")
+        shape = MoeShape(_get(config, "moe_num_experts"), _get(config, "moe_k"), size, renormalize=True,
+                         norm_min=config.get("moe_norm_min", 1e-12), score_correction=True,
+                         shared_intermediate_size=size * config.get("moe_num_shared_experts", 0))
+        start, end = config.get("moe_layer_start_index", 0), config.get("moe_layer_end_index", len(layers) - 1)
+        interval = config.get("moe_layer_interval", 1)
+        return {"moe": shape, "moe_layers": tuple(i for i in layers if (i + 1) % interval == 0 and start <= i <= end)}
+    return {}
 
 
 def _no_rope_layers(config: Mapping[str, Any]) -> tuple[int, ...]:
