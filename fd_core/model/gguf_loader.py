@@ -1,4 +1,5 @@
-"""Read a llama GGUF file into a :class:`LlamaArchConfig`, float32 weights and its metadata.
+"""Read a GGUF file: its shape (parsed by the architecture plugin of its ``general.architecture``),
+float32 weights under Hugging Face names, and its metadata.
 
 Tensors of every type gguf-py dequantizes (:func:`supported_tensor_types`: F32, F16, BF16,
 Q4_0-Q8_0, the K-quants Q2_K-Q6_K, IQ quants...) are dequantized at load and renamed to Hugging
@@ -6,9 +7,10 @@ Face names (a file holding any other type is refused before any is dequantized);
 ``keep_quantized`` the matrices the model multiplies by (projections, the embedding / head) that
 are Q8_0 / Q4_0 / Q4_1 stay in their blocks as :class:`~fd_kernels.quantized.BlockQuantized`
 (other types, such as the Q6_K head of a Q4_0 file, are float32 either way).
-llama.cpp's converter stores ``attn_q``/``attn_k`` rows permuted for interleaved (GPT-J style)
-RoPE; they are permuted back here so the weights match Hugging Face's ``rotate_half`` layout,
-which is what the model implements.
+Tensor names follow llama.cpp (``blk.N.attn_q.weight``...). For ``llama`` files llama.cpp's
+converter stores ``attn_q``/``attn_k`` rows permuted for interleaved (GPT-J style) RoPE; they are
+permuted back here so the weights match Hugging Face's ``rotate_half`` layout, which is what the
+model implements (``qwen2`` / ``qwen3`` files keep Hugging Face's order).
 """
 
 from __future__ import annotations
@@ -48,7 +50,11 @@ _BLOCK_NAMES: Final = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+#: GGUF architectures whose q/k rows llama.cpp's converter permuted for interleaved RoPE.
+PERMUTED_ARCHITECTURES: Final = frozenset({"llama"})
 _BLOCK_TENSOR: Final = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -70,7 +76,9 @@ def load_gguf(path: str | Path, *, keep_quantized: bool = False, plugins: Archit
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
     metadata = {key: field.contents() for key, field in reader.fields.items()}
-    plugin = (plugins or ArchitecturePlugins()).for_gguf(str(metadata.get("general.architecture")), str(path))
+    architecture = str(metadata.get("general.architecture"))
+    plugin = (plugins or ArchitecturePlugins()).for_gguf(architecture, str(path))
+    permuted = architecture in PERMUTED_ARCHITECTURES
     supported = supported_tensor_types()
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in supported:
@@ -86,7 +94,8 @@ def load_gguf(path: str | Path, *, keep_quantized: bool = False, plugins: Archit
     for tensor in reader.tensors:
         name = _hf_name(path, tensor.name)
         keep = keep_quantized and len(tensor.shape) == 2 and tensor.tensor_type.name in KEPT_TENSOR_TYPES
-        weights[name] = _unpermute(name, _kept(tensor) if keep else _dequantize(tensor), arch)
+        weight = _kept(tensor) if keep else _dequantize(tensor)
+        weights[name] = _unpermute(name, weight, arch) if permuted else weight
     return arch, weights, metadata
 
 
@@ -115,7 +124,7 @@ def _hf_name(path: Path, name: str) -> str:
         return _GLOBAL_NAMES[name]
     match = _BLOCK_TENSOR.fullmatch(name)
     if match is None or match[2] not in _BLOCK_NAMES:
-        raise ModelLoadError(f"{path}: tensor {name!r} is not part of a llama model this loader knows")
+        raise ModelLoadError(f"{path}: tensor {name!r} is not part of a model this loader knows")
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
 

@@ -164,6 +164,29 @@ def tiny_llama_weights(arch: LlamaArchConfig, *, seed: int = 0) -> dict[str, np.
     return weights
 
 
+def make_tiny_checkpoint(folder: str | Path, config: Mapping[str, object], *, seed: int = 0) -> Path:
+    """Write a random model of Hugging Face ``config`` (any architecture an installed plugin serves,
+    vocabulary of at least 400) with the tiny Llama's trained tokenizer into ``folder``; return it.
+
+    Matrices are drawn with spread ``1 / sqrt(fan_in)`` and norms around 1, so greedy choices are
+    clear; the tensor set is exactly what the plugin's ``weight_shapes`` lists.
+    """
+    from fd_core.model.architectures import ArchitecturePlugins
+
+    folder = make_tiny_llama(folder, vocab=int(config["vocab_size"]), seed=seed)
+    plugin = ArchitecturePlugins().for_hf(list(config["architectures"]), str(folder))
+    shapes = plugin.weight_shapes(plugin.parse_hf_config(config, {}))
+    rng = np.random.default_rng(seed)
+    weights = {name: (rng.standard_normal(size) * (size[-1] ** -0.5 if len(size) == 2 else 0.1)
+                      + (1.0 if name.endswith("norm.weight") else 0.0)).astype(np.float32)
+               for name, size in shapes.items()}
+    for old in folder.glob("model*.safetensors*"):
+        old.unlink()
+    _write_weights(folder, weights, dtype="float32", shards=1)
+    _write_json(folder / "config.json", dict(config))
+    return folder
+
+
 def round_to_bfloat16(values: np.ndarray) -> np.ndarray:
     """``values`` rounded to the nearest bfloat16 (ties to even), returned as bfloat16 bits (uint16)."""
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
@@ -178,12 +201,13 @@ def write_tiny_gguf(
     tensor_type: str = "F32",
     tensor_types: Mapping[str, str] | None = None,
 ) -> Path:
-    """Convert the Hugging Face folder ``folder`` into a llama GGUF file at ``path``; return ``path``.
+    """Convert the Hugging Face folder ``folder`` (Llama, Qwen2 or Qwen3) into a GGUF file at ``path``
+    as llama.cpp's converter writes it; return ``path``.
 
     2-D tensors are stored as ``tensor_type`` (F32, F16, Q8_0, Q4_0, Q4_1, or any type
     ``gguf.quants.quantize`` supports); norms stay F32 as in llama.cpp. ``tensor_types`` overrides
     the type of single tensors by GGUF name (``{"blk.0.ffn_down.weight": "Q5_0"}``). Q and K
-    rows are permuted like llama.cpp's ``convert_hf_to_gguf.py`` does.
+    rows of llama files are permuted as llama.cpp's ``convert_hf_to_gguf.py`` does.
     """
     import gguf
 
@@ -194,7 +218,9 @@ def write_tiny_gguf(
     tok = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     tok_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
 
-    writer = gguf.GGUFWriter(path, "llama")
+    gguf_arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
+        arch.architecture]
+    writer = gguf.GGUFWriter(path, gguf_arch)
     writer.add_name(folder.name)
     writer.add_context_length(arch.max_position_embeddings)
     writer.add_embedding_length(arch.hidden_size)
@@ -203,6 +229,9 @@ def write_tiny_gguf(
     writer.add_head_count(arch.num_attention_heads)
     writer.add_head_count_kv(arch.num_key_value_heads)
     writer.add_rope_dimension_count(arch.head_dim)
+    if arch.head_dim * arch.num_attention_heads != arch.hidden_size:
+        writer.add_key_length(arch.head_dim)
+        writer.add_value_length(arch.head_dim)
     writer.add_rope_freq_base(arch.rope_theta)
     writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
     writer.add_vocab_size(arch.vocab_size)
@@ -211,7 +240,7 @@ def write_tiny_gguf(
     overrides = dict(tensor_types or {})
     for hf_name, gguf_name in _gguf_names(arch):
         w = weights[hf_name]
-        if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+        if gguf_arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = arch.num_attention_heads if "attn_q" in gguf_name else arch.num_key_value_heads
             w = _permute(w, heads)
         qtype = gguf.GGMLQuantizationType[overrides.pop(gguf_name, tensor_type if w.ndim == 2 else "F32")]
@@ -262,8 +291,12 @@ def _gguf_names(arch: LlamaArchConfig) -> list[tuple[str, str]]:
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
     }
+    if arch.qk_norm:
+        parts |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    biased = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") if arch.attention_bias else ()
     for i in range(arch.num_hidden_layers):
         names += [(f"model.layers.{i}.{hf}.weight", f"blk.{i}.{g}.weight") for hf, g in parts.items()]
+        names += [(f"model.layers.{i}.{hf}.bias", f"blk.{i}.{parts[hf]}.bias") for hf in biased]
     names.append(("model.norm.weight", "output_norm.weight"))
     if not arch.tie_word_embeddings:
         names.append(("lm_head.weight", "output.weight"))

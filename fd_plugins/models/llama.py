@@ -88,7 +88,10 @@ NO_EFFECT: Final[dict[str, str]] = {
 }
 
 
-#: The ``llama.*`` GGUF metadata keys (without the prefix) the GGUF parser reads.
+#: GGUF ``general.architecture`` -> the Hugging Face architecture its files are (llama.cpp's converter
+#: writes Mistral and Llama 1-3 as ``llama``).
+GGUF_ARCHITECTURES: Final = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+#: The ``<arch>.*`` GGUF metadata keys (without the prefix) the GGUF parser reads.
 GGUF_KEYS: Final = frozenset({
     "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
     "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
@@ -102,7 +105,7 @@ class LlamaFamily(ModelArchitecture):
     name: ClassVar[str] = "llama"
     fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     hf_architectures: ClassVar[tuple[str, ...]] = tuple(ARCHITECTURES)
-    gguf_architectures: ClassVar[tuple[str, ...]] = ("llama",)
+    gguf_architectures: ClassVar[tuple[str, ...]] = tuple(GGUF_ARCHITECTURES)
 
     def parse_hf_config(self, config: Mapping[str, Any], generation: Mapping[str, Any]) -> LlamaArchConfig:
         architecture = _architecture(config)
@@ -215,47 +218,51 @@ class LlamaFamily(ModelArchitecture):
         }
 
     def parse_gguf(self, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]]) -> LlamaArchConfig:
-        """``llama.*`` keys (each read or refused by name); ``tensor_shapes`` are GGUF (innermost-first) shapes."""
-        keys = {key.removeprefix("llama.") for key in metadata if key.startswith("llama.")}
+        """``<arch>.*`` keys (each read or refused by name); ``tensor_shapes`` are GGUF (innermost-first) shapes."""
+        gguf_arch = metadata["general.architecture"]
+        prefix = f"{gguf_arch}."
+        keys = {key.removeprefix(prefix) for key in metadata if key.startswith(prefix)}
         unknown = sorted(keys - GGUF_KEYS)
         if unknown:
-            raise ArchitectureConfigError(f"llama.{unknown[0]}", "is not a key the Llama-family plugin understands")
-        if "rope_freqs.weight" in tensor_shapes or metadata.get("llama.rope.scaling.type", "none") != "none":
-            raise ArchitectureConfigError("llama.rope.scaling.type", "RoPE scaling in GGUF files (llama.rope.scaling.* "
-                                                                     "or a rope_freqs tensor) is not supported yet")
+            raise ArchitectureConfigError(f"{prefix}{unknown[0]}", "is not a key the Llama-family plugin understands")
+        if "rope_freqs.weight" in tensor_shapes or metadata.get(f"{prefix}rope.scaling.type", "none") != "none":
+            raise ArchitectureConfigError(f"{prefix}rope.scaling.type", "RoPE scaling in GGUF files (rope.scaling.* "
+                                                                        "or a rope_freqs tensor) is not supported yet")
         for key in ("expert_count", "expert_used_count"):
-            if metadata.get(f"llama.{key}", 0):
-                raise ArchitectureConfigError(f"llama.{key}", "mixture-of-experts llama files are not supported")
+            if metadata.get(f"{prefix}{key}", 0):
+                raise ArchitectureConfigError(f"{prefix}{key}", "mixture-of-experts GGUF files are not supported yet")
         if "token_embd.weight" not in tensor_shapes:
             raise ArchitectureConfigError("token_embd.weight", "the tensor is missing")
         hidden, vocab = tensor_shapes["token_embd.weight"]
-        heads = _gguf(metadata, "attention.head_count")
-        head_dim = metadata.get("llama.attention.key_length", hidden // heads)
+        heads = _gguf(metadata, prefix, "attention.head_count")
+        head_dim = metadata.get(f"{prefix}attention.key_length", hidden // heads)
         for key, wanted in (("attention.value_length", head_dim), ("rope.dimension_count", head_dim),
                             ("vocab_size", vocab)):
-            if metadata.get(f"llama.{key}", wanted) != wanted:
-                raise ArchitectureConfigError(f"llama.{key}", f"{metadata[f'llama.{key}']} is not supported "
-                                                              f"(this file's layout needs {wanted})")
+            if metadata.get(f"{prefix}{key}", wanted) != wanted:
+                raise ArchitectureConfigError(f"{prefix}{key}", f"{metadata[f'{prefix}{key}']} is not supported "
+                                                                f"(this file's layout needs {wanted})")
+        architecture = GGUF_ARCHITECTURES[gguf_arch]
         try:
             return LlamaArchConfig(
-                architecture="LlamaForCausalLM",
+                architecture=architecture,
                 vocab_size=vocab,
-                hidden_size=_gguf(metadata, "embedding_length"),
-                intermediate_size=_gguf(metadata, "feed_forward_length"),
-                num_hidden_layers=_gguf(metadata, "block_count"),
+                hidden_size=_gguf(metadata, prefix, "embedding_length"),
+                intermediate_size=_gguf(metadata, prefix, "feed_forward_length"),
+                num_hidden_layers=_gguf(metadata, prefix, "block_count"),
                 num_attention_heads=heads,
-                num_key_value_heads=metadata.get("llama.attention.head_count_kv", heads),
+                num_key_value_heads=metadata.get(f"{prefix}attention.head_count_kv", heads),
                 head_dim=head_dim,
-                max_position_embeddings=metadata.get("llama.context_length", 2048),
-                rms_norm_eps=_shortest(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-                rope_theta=_shortest(metadata.get("llama.rope.freq_base", 10000.0)),
+                max_position_embeddings=metadata.get(f"{prefix}context_length", 2048),
+                rms_norm_eps=_shortest(metadata.get(f"{prefix}attention.layer_norm_rms_epsilon", 1e-5)),
+                rope_theta=_shortest(metadata.get(f"{prefix}rope.freq_base", 10000.0)),
                 tie_word_embeddings="output.weight" not in tensor_shapes,
                 attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+                qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
                 bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=gguf_eos_token_ids(metadata),
             )
         except ValueError as e:
-            raise ArchitectureConfigError("llama.attention.head_count_kv", str(e)) from e
+            raise ArchitectureConfigError(f"{prefix}attention.head_count_kv", str(e)) from e
 
     def prepare_weights(self, shape: LlamaArchConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Phi-3 checkpoints fuse ``qkv_proj`` and ``gate_up_proj``: split them into the Llama names."""
@@ -288,10 +295,10 @@ class LlamaFamily(ModelArchitecture):
                                 attention_inputs=precision.attention_inputs)
 
 
-def _gguf(metadata: Mapping[str, Any], key: str) -> Any:
-    if f"llama.{key}" not in metadata:
-        raise ArchitectureConfigError(f"llama.{key}", "missing")
-    return metadata[f"llama.{key}"]
+def _gguf(metadata: Mapping[str, Any], prefix: str, key: str) -> Any:
+    if f"{prefix}{key}" not in metadata:
+        raise ArchitectureConfigError(f"{prefix}{key}", "missing")
+    return metadata[f"{prefix}{key}"]
 
 
 def _shortest(value: float) -> float:

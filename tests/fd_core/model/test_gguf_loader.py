@@ -259,3 +259,36 @@ def test_q4_k_m_file_decodes_as_its_float32_weights(tmp_path: Path, wide_folder:
             answers.append([output.token_ids for output in llm.generate(prompts, greedy, use_tqdm=False)])
     assert answers[0] == answers[1]
     assert all(len(set(tokens)) > 4 for tokens in answers[0])  # real continuations, not one token repeated
+
+
+QWEN_BASE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+             "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("config", [
+    {**QWEN_BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True},
+    {**QWEN_BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32},
+], ids=["qwen2", "qwen3"])
+def test_a_qwen_gguf_loads_the_folders_weights_and_decodes_what_the_folder_does(tmp_path: Path, config: dict) -> None:
+    from fd_core.engine.llm import LLM
+    from fd_core.request import SamplingParams
+    from fd_core.testing.tiny_model import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "hf", config, seed=4)
+    path = write_tiny_gguf(tmp_path / "model.gguf", folder)
+    arch, weights, metadata = load_gguf(path)
+    folder_arch, folder_weights = load_hf_folder(folder)
+    assert metadata["general.architecture"] == config["model_type"]
+    assert (arch.architecture, arch.head_dim, arch.attention_bias, arch.qk_norm) == (
+        folder_arch.architecture, folder_arch.head_dim, folder_arch.attention_bias, folder_arch.qk_norm)
+    assert weights.keys() == folder_weights.keys()
+    for name, value in folder_weights.items():
+        np.testing.assert_array_equal(weights[name], value, err_msg=name)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France", "1 2 3 4"]
+    outputs = []
+    for source in (folder, path):
+        with LLM(model=str(source), cache={"num_blocks": 64}, platform={"options": {"kernels": "portable"}}) as llm:
+            outputs.append([r.token_ids for r in llm.generate(prompts, greedy)])
+    assert outputs[0] == outputs[1]

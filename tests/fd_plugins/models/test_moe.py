@@ -4,8 +4,6 @@ free after the drain (the parity with transformers is the conformance kit's, tes
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import paddle
 import pytest
@@ -15,8 +13,7 @@ from fd_core.model.arch import MoeShape
 from fd_core.model.kernels import PORTABLE_KERNELS, select_kernels
 from fd_core.model.moe import moe_forward, prepare_moe
 from fd_core.request import SamplingParams
-from fd_core.testing.tiny_model import make_tiny_llama
-from fd_plugins.models.llama import LlamaFamily
+from fd_core.testing.tiny_model import make_tiny_checkpoint
 from fd_plugins.platforms.cpu import CpuPlatform
 
 HIDDEN = 64
@@ -59,24 +56,13 @@ def test_a_tokens_expert_output_is_the_same_alone_and_among_256(kernels) -> None
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory) -> str:
-    """A random Qwen3-MoE (experts in layers 1 and 2) beside the tiny Llama's tokenizer."""
-    from safetensors.numpy import save_file
-
-    folder = make_tiny_llama(tmp_path_factory.mktemp("tiny-moe"), vocab=512, max_position_embeddings=512)
+    """A random Qwen3-MoE (experts in layers 1 and 2) with the tiny Llama's tokenizer."""
     config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512,
               "hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
               "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "num_experts": 8,
               "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True, "mlp_only_layers": [0]}
-    plugin = LlamaFamily()
-    shapes = plugin.weight_shapes(plugin.parse_hf_config(config, {}))
-    rng = np.random.default_rng(7)
-    weights = {name: (rng.standard_normal(size) * (size[-1] ** -0.5 if len(size) == 2 else 0.1)
-                      + (len(size) == 1)).astype(np.float32) for name, size in shapes.items()}
-    (folder / "model.safetensors").unlink()
-    save_file(weights, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder)
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"), config, seed=7))
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
