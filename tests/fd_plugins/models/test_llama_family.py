@@ -1,7 +1,8 @@
 """The built-in Llama-family plugin passes the architecture conformance kit: greedy tokens equal
 transformers' on tiny random Llama (plain, llama3 / linear / dynamic / yarn RoPE, o_proj bias),
-Mistral, Qwen2 and Qwen3 (q/k norms, explicit head_dim, biases) models, with the portable kernels
-and with the host's."""
+Mistral, Qwen2, Qwen3 (q/k norms, explicit head_dim, biases), Granite, SmolLM3, Phi-3 (partial
+rotary, longrope), ERNIE 4.5 and the MoE models, with the portable kernels and with the host's,
+and the bf16 mode keeps transformers' top-1 token; GGUF metadata is parsed or refused by key."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from fd_plugins.models.llama import LlamaFamily
 
 
 def test_the_config_checks_pass() -> None:
-    report = run_architecture_checks(LlamaFamily, skip=("matches_transformers",))
-    assert [r.status for r in report.results] == ["passed", "passed", "skipped"]
+    report = run_architecture_checks(LlamaFamily, skip=("matches_transformers", "bf16_agreement"))
+    assert [r.status for r in report.results] == ["passed", "passed", "skipped", "skipped"]
 
 
 @pytest.mark.hf
