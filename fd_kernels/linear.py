@@ -90,3 +90,9 @@ class PortableLinear:
 
 
 PORTABLE_LINEAR = PortableLinear()
+
+
+def geglu(gate_up: paddle.Tensor) -> paddle.Tensor:
+    """``gelu(gate) * up`` (gelu's tanh approximation) of a fused gate/up projection ``[T, 2n]``."""
+    gate, up = paddle.split(gate_up, 2, axis=-1)
+    return paddle.nn.functional.gelu(gate, approximate=True) * up

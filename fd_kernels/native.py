@@ -131,8 +131,10 @@ def prepare_attention(capabilities: Collection[str]) -> Callable[..., Any]:
     op = load_native(capabilities).fd_paged_attention
     threads = _threads()
 
-    def attention_cpp(q: Any, k_cache: Any, v_cache: Any, attn: Any, round_queries: bool = False) -> Any:
-        return op(q, k_cache, v_cache, attn.row_tables, attn.row_starts, attn.row_lens, 1.0, round_queries, threads)
+    def attention_cpp(q: Any, k_cache: Any, v_cache: Any, attn: Any, round_queries: bool = False,
+                      window: int | None = None) -> Any:
+        return op(q, k_cache, v_cache, attn.row_tables, attn.row_starts, attn.row_lens, 1.0, round_queries, threads,
+                  window or 0)
 
     return attention_cpp
 

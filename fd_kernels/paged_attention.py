@@ -188,14 +188,35 @@ def paged_attention(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Te
 
 
 def attention_reference(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor,
-                        attn: object, round_queries: bool = False) -> paddle.Tensor:
+                        attn: object, round_queries: bool = False, window: int | None = None) -> paddle.Tensor:
     """The reference ``attention`` kernel variant: :func:`paged_attention` on a step's metadata
     (its gather indices and masks; q already scaled). ``round_queries``: q rounded to bfloat16
-    first (nearest even), as the C++ kernel multiplies them on AMX tiles with a bfloat16 cache."""
+    first (nearest even), as the C++ kernel multiplies them on AMX tiles with a bfloat16 cache.
+    ``window``: a query at position p sees keys p - window + 1 .. p only (sliding-window layers)."""
     if round_queries:
         q = q.astype("bfloat16").astype("float32")
+    decode_mask, prefill = attn.decode_mask, attn.prefill
+    if window:
+        decode_mask, prefill = _windowed_masks(attn, window)
     return paged_attention(q, k_cache, v_cache, num_decode=attn.num_decode, decode_index=attn.decode_index,
-                           decode_mask=attn.decode_mask, prefill=attn.prefill, scale=1.0)
+                           decode_mask=decode_mask, prefill=prefill, scale=1.0)
+
+
+def _windowed_masks(attn: object, window: int) -> tuple[paddle.Tensor | None, tuple[PrefillChunk, ...]]:
+    """The step's masks with the keys before each query's window masked too."""
+    positions = attn.positions
+    decode_mask = attn.decode_mask
+    if attn.num_decode:
+        width = decode_mask.shape[-1]
+        early = np.arange(width)[None, :] <= positions[:attn.num_decode, None] - window
+        decode_mask = decode_mask + paddle.to_tensor(np.where(early, MASKED, 0.0).astype(np.float32)[:, None, :],
+                                                     dtype=decode_mask.dtype)
+    chunks = []
+    for chunk in attn.prefill:
+        early = np.arange(chunk.mask.shape[-1])[None, :] <= positions[chunk.begin:chunk.end, None] - window
+        mask = chunk.mask + paddle.to_tensor(np.where(early, MASKED, 0.0).astype(np.float32), dtype=chunk.mask.dtype)
+        chunks.append(PrefillChunk(chunk.begin, chunk.end, chunk.gather_index, mask))
+    return decode_mask, tuple(chunks)
 
 
 def rope_write_kv_reference(cos: paddle.Tensor, sin: paddle.Tensor, attn: object,

@@ -86,6 +86,13 @@ class LlamaArchConfig:
     attention_multiplier: float | None = None  # Granite: replaces attention's 1/sqrt(head_dim)
     residual_multiplier: float = 1.0      # Granite: scales each sublayer's output before its residual add
     logits_scaling: float = 1.0           # Granite: divides the logits
+    hidden_act: str = "silu"              # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    norm_weight_offset: float = 0.0       # Gemma: RMSNorm multiplies by (offset + weight)
+    sandwich_norms: bool = False          # Gemma: attention and MLP outputs normed too (see fd_core.model.llama)
+    sliding_window: int | None = None     # the window of the layers in sliding_layers
+    sliding_layers: tuple[int, ...] = ()  # layers whose queries see only the last sliding_window keys
+    local_rope_theta: float | None = None  # Gemma: the RoPE base of the sliding layers (default RoPE)
+    final_logit_softcapping: float | None = None  # logits -> tanh(logits / c) * c
     moe: MoeShape | None = None           # the experts of the layers in moe_layers (Qwen3-MoE, ERNIE 4.5 MoE)
     moe_layers: tuple[int, ...] = ()      # layers whose MLP is a mixture of experts
     bos_token_id: int | None = None

@@ -52,6 +52,9 @@ KERNEL_VARIANTS: Final[dict[str, tuple[KernelVariant, ...]]] = {
         KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_swiglu),
         KernelVariant("portable", frozenset(), F.swiglu),
     ),
+    "geglu": (
+        KernelVariant("portable", frozenset(), linear.geglu),
+    ),
     "attention": (
         KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_attention),
         KernelVariant("reference", frozenset(), paged_attention.attention_reference),
@@ -94,8 +97,14 @@ class KernelSet:
         return self.chosen["swiglu"].fn
 
     @property
+    def geglu(self) -> Callable[..., Any]:
+        """``(gate_up [T, 2n]) -> gelu_tanh(gate) * up [T, n]``: Gemma's MLP activation."""
+        return self.chosen["geglu"].fn
+
+    @property
     def attention(self) -> Callable[..., Any]:
-        """``(q, k_cache, v_cache, attn) -> out``: every row of a step, q already scaled; see ``fd_kernels``."""
+        """``(q, k_cache, v_cache, attn, round_queries=False, window=None) -> out``: every row of a step, q
+        already scaled; with ``window`` a query at p sees keys p - window + 1 .. p; see ``fd_kernels``."""
         return self.chosen["attention"].fn
 
     @property

@@ -32,7 +32,7 @@ import paddle.nn.functional as F
 
 from fd_core.model.kernels import PORTABLE_KERNELS
 from fd_core.model.moe import MoeWeights, moe_forward, prepare_moe
-from fd_core.model.rope import rope_tables, rotation_order
+from fd_core.model.rope import RopeScaling, rope_tables, rotation_order
 from fd_kernels.quantized import BlockQuantized, stack_rows
 
 if TYPE_CHECKING:
@@ -62,10 +62,14 @@ class _LayerWeights:
     qk_norms: tuple[paddle.Tensor, paddle.Tensor] | None  # [head_dim] each when qk_norm (q's pre-scaled)
     o: Any                          # [H * head_dim, hidden]
     o_bias: paddle.Tensor | None    # [hidden] when output_bias
-    post_norm: paddle.Tensor        # [hidden]
+    attn_out_norm: paddle.Tensor | None  # [hidden]: sandwich norms' norm of the attention output
+    post_norm: paddle.Tensor        # [hidden]: the norm before the MLP
+    mlp_out_norm: paddle.Tensor | None   # [hidden]: sandwich norms' norm of the MLP output
     gate_up: Any                    # [hidden, 2 * intermediate]: gate, then up columns (None in a MoE layer)
     down: Any                       # [intermediate, hidden] (None in a MoE layer)
     moe: MoeWeights | None          # the layer's experts, in place of gate_up / down
+    window: int | None              # sliding-window attention: a query sees its last `window` keys
+    rope: str                       # the rotation its K/V are written with: "global", "local" or "none"
     fused: Any                      # the fused layer kernel's operands, or None: run op by op
 
 
@@ -162,6 +166,9 @@ class LlamaForCausalLM:
         def scaled(weight: np.ndarray | BlockQuantized, factor: float) -> np.ndarray | BlockQuantized:
             return weight.scaled(factor) if isinstance(weight, BlockQuantized) else weight * factor
 
+        def norm(name: str) -> np.ndarray:   # an RMSNorm weight as it multiplies (Gemma's 1 + w)
+            return weights[name] + np.float32(arch.norm_weight_offset)
+
         embedding = weights["model.embed_tokens.weight"]
         self.embed_tokens = tensor(embedding)     # [vocab, hidden]
         self.layers: list[_LayerWeights] = []
@@ -174,28 +181,37 @@ class LlamaForCausalLM:
             qkv_bias = (tensor(np.concatenate([rope_rows(weights[f"{q}.bias"], heads) * q_proj_scale,
                                                rope_rows(weights[f"{k}.bias"], kv_heads), weights[f"{v}.bias"]]))
                         if arch.attention_bias else None)
-            qk_norms = ((tensor(rope_rows(weights[f"{p}self_attn.q_norm.weight"], 1) * q_scale),
-                         tensor(rope_rows(weights[f"{p}self_attn.k_norm.weight"], 1))) if arch.qk_norm else None)
+            qk_norms = ((tensor(rope_rows(norm(f"{p}self_attn.q_norm.weight"), 1) * q_scale),
+                         tensor(rope_rows(norm(f"{p}self_attn.k_norm.weight"), 1))) if arch.qk_norm else None)
             o = linear(scaled(weights[f"{p}self_attn.o_proj.weight"], out_scale))
             o_bias = tensor(weights[f"{p}self_attn.o_proj.bias"] * out_scale) if arch.output_bias else None
-            # the fused layer kernel has no q/k norms, o_proj bias, layer without RoPE or experts: such
-            # layers run op by op
-            fusable = (qk_norms is None and o_bias is None and i not in arch.no_rope_layers
-                       and i not in arch.moe_layers)
+            window = arch.sliding_window if i in arch.sliding_layers else None
+            rope = "none" if i in arch.no_rope_layers else "local" if window and arch.local_rope_theta else "global"
+            # the fused layer kernel has no q/k norms, o_proj bias, other rotation, window, experts, sandwich
+            # norms or GeGLU: such layers run op by op
+            fusable = (qk_norms is None and o_bias is None and rope == "global" and window is None
+                       and i not in arch.moe_layers and not arch.sandwich_norms and arch.hidden_act == "silu")
             if i in arch.moe_layers:   # experts instead of the dense MLP
                 moe, gate_up, down = prepare_moe(arch.moe, f"{p}mlp.", weights, tensor, linear), None, None
             else:
                 moe = None
                 gate_up = linear(weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"])
                 down = linear(scaled(weights[f"{p}mlp.down_proj.weight"], out_scale))
+            # Gemma's sandwich: post_attention_layernorm norms the attention output, pre_feedforward_layernorm
+            # is the norm before the MLP
+            sandwich = arch.sandwich_norms
             self.layers.append(_LayerWeights(
-                input_norm=tensor(weights[f"{p}input_layernorm.weight"]), qkv=qkv, qkv_bias=qkv_bias,
+                input_norm=tensor(norm(f"{p}input_layernorm.weight")), qkv=qkv, qkv_bias=qkv_bias,
                 qk_norms=qk_norms, o=o, o_bias=o_bias,
-                post_norm=tensor(weights[f"{p}post_attention_layernorm.weight"]), gate_up=gate_up, down=down, moe=moe,
+                attn_out_norm=tensor(norm(f"{p}post_attention_layernorm.weight")) if sandwich else None,
+                post_norm=tensor(norm(f"{p}pre_feedforward_layernorm.weight" if sandwich
+                                      else f"{p}post_attention_layernorm.weight")),
+                mlp_out_norm=tensor(norm(f"{p}post_feedforward_layernorm.weight")) if sandwich else None,
+                gate_up=gate_up, down=down, moe=moe, window=window, rope=rope,
                 fused=kernels.decoder_layer.bind([qkv, o, gate_up, down], qkv_bias) if fusable else None,
             ))
         self.runs = layer_runs(self.layers, kernels.decoder_layer)
-        self.norm = tensor(weights["model.norm.weight"] / np.float32(arch.logits_scaling))
+        self.norm = tensor(norm("model.norm.weight") / np.float32(arch.logits_scaling))
         # [vocab, hidden], applied transposed (a tied head reads the embedding).
         head = embedding if arch.tie_word_embeddings else weights["lm_head.weight"]
         if keeps_blocks(head):
@@ -206,8 +222,15 @@ class LlamaForCausalLM:
         cos, sin = rope_tables(arch.rope, arch.head_dim, arch.max_position_embeddings)
         self.rope_cos = tensor(cos)
         self.rope_sin = tensor(sin)
-        # layers without RoPE write K/V through the same kernel with the identity rotation
-        self.no_rope = (tensor(np.ones_like(cos)), tensor(np.zeros_like(sin))) if arch.no_rope_layers else None
+        # cos / sin per rotation a layer uses: layers without RoPE write K/V through the same kernel with
+        # the identity rotation; Gemma's sliding layers have their own base
+        self.rotations: dict[str, tuple[paddle.Tensor, paddle.Tensor]] = {"global": (self.rope_cos, self.rope_sin)}
+        kinds = {layer.rope for layer in self.layers}
+        if "none" in kinds:
+            self.rotations["none"] = (tensor(np.ones_like(cos)), tensor(np.zeros_like(sin)))
+        if "local" in kinds:
+            local = rope_tables(RopeScaling(arch.local_rope_theta), arch.head_dim, arch.max_position_embeddings)
+            self.rotations["local"] = (tensor(local[0]), tensor(local[1]))
 
     def _mlp(self, h: paddle.Tensor, layer: _LayerWeights) -> paddle.Tensor:
         """down(swiglu(gate_up(h))), in chunks of MLP_ROWS rows: a chunk's gate/up activations
@@ -215,11 +238,12 @@ class LlamaForCausalLM:
         of a whole prefill step's going out to memory and back. A MoE layer runs its experts."""
         if layer.moe is not None:
             return moe_forward(h, layer.moe, self.kernels)
-        linear, swiglu = self.kernels.linear, self.kernels.swiglu
+        linear = self.kernels.linear
+        activation = self.kernels.swiglu if self.arch.hidden_act == "silu" else self.kernels.geglu
         rows = h.shape[0]
         if rows <= MLP_ROWS:
-            return linear(swiglu(linear(h, layer.gate_up)), layer.down)
-        return paddle.concat([linear(swiglu(linear(h[at:at + MLP_ROWS], layer.gate_up)), layer.down)
+            return linear(activation(linear(h, layer.gate_up)), layer.down)
+        return paddle.concat([linear(activation(linear(h[at:at + MLP_ROWS], layer.gate_up)), layer.down)
                               for at in range(0, rows, MLP_ROWS)])
 
     def _norm(self, x: paddle.Tensor, weight: paddle.Tensor,
@@ -246,10 +270,16 @@ class LlamaForCausalLM:
         if layer.qk_norms is not None:
             qkv = self._qk_norm(qkv, *layer.qk_norms)
         q = rope_write_kv(qkv, cache.key, cache.value)
-        out = self.kernels.attention(q, cache.key, cache.value, attn, round_queries=self.round_queries)
-        h, residual = self._norm(linear(out.reshape([num_tokens, heads * head_dim]), layer.o, layer.o_bias),
-                                 layer.post_norm, residual)
-        return self._mlp(h, layer), residual
+        windowed = {"window": layer.window} if layer.window else {}
+        out = self.kernels.attention(q, cache.key, cache.value, attn, round_queries=self.round_queries, **windowed)
+        out = linear(out.reshape([num_tokens, heads * head_dim]), layer.o, layer.o_bias)
+        if layer.attn_out_norm is not None:
+            out, _ = self.kernels.rms_norm(out, layer.attn_out_norm, self.arch.rms_norm_eps, None)
+        h, residual = self._norm(out, layer.post_norm, residual)
+        out = self._mlp(h, layer)
+        if layer.mlp_out_norm is not None:
+            out, _ = self.kernels.rms_norm(out, layer.mlp_out_norm, self.arch.rms_norm_eps, None)
+        return out, residual
 
     def forward(self, input_ids: paddle.Tensor, attn: AttentionMetadata,
                 kv_caches: Sequence[LayerKVCache]) -> paddle.Tensor:
@@ -260,8 +290,8 @@ class LlamaForCausalLM:
         arch = self.arch
         heads, head_dim = arch.num_attention_heads, arch.head_dim
         num_tokens = input_ids.shape[0]
-        rope_write_kv = self.kernels.rope_write_kv(self.rope_cos, self.rope_sin, attn, heads)
-        plain_write_kv = self.kernels.rope_write_kv(*self.no_rope, attn, heads) if self.no_rope else None
+        writers = {kind: self.kernels.rope_write_kv(cos, sin, attn, heads)
+                   for kind, (cos, sin) in self.rotations.items()}
         linear = self.kernels.linear
         fused_layer = self.kernels.decoder_layer
         x = F.embedding(input_ids, self.embed_tokens)
@@ -277,16 +307,18 @@ class LlamaForCausalLM:
                                           attn, self.rope_cos, self.rope_sin, heads, head_dim, arch.rms_norm_eps,
                                           round_queries=self.round_queries)
                 continue
-            for index, cache in zip(range(run.start, run.stop), caches, strict=True):
-                write_kv = plain_write_kv if index in arch.no_rope_layers else rope_write_kv
-                x, residual = self._layer(x, residual, self.layers[index], cache, attn, write_kv)
+            for layer, cache in zip(self.layers[run.start:run.stop], caches, strict=True):
+                x, residual = self._layer(x, residual, layer, cache, attn, writers[layer.rope])
         if attn.sample_indices.shape[0] == 0:
             return paddle.zeros([0, arch.vocab_size], dtype="float32")
         # Only sampled rows need the final norm and the (large) vocabulary projection.
         h, _ = self._norm(paddle.gather(x, attn.sample_indices), self.norm,
                           paddle.gather(residual, attn.sample_indices))
         logits = linear(h, self.lm_head)
-        return logits if self.dtype == "float32" else logits.astype("float32")
+        logits = logits if self.dtype == "float32" else logits.astype("float32")
+        if arch.final_logit_softcapping:
+            logits = paddle.tanh(logits / arch.final_logit_softcapping) * arch.final_logit_softcapping
+        return logits
 
     __call__ = forward
 
@@ -326,6 +358,8 @@ def weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
                        p + "mlp.up_proj.weight": (arch.intermediate_size, h),
                        p + "mlp.down_proj.weight": (h, arch.intermediate_size)}
+        if arch.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         if arch.output_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if arch.qk_norm:

@@ -63,7 +63,7 @@ std::vector<paddle::Tensor> Layer(const Step& step, size_t l, const paddle::Tens
   auto q = RopeWriteKv(qkv, step.positions, step.cos, step.sin, k_cache, v_cache, step.slots, step.num_heads,
                        threads)[0];
   auto attended = PagedAttention(q, k_cache, v_cache, step.row_tables, step.row_starts, step.row_lens, 1.0f,
-                                 step.round_queries, threads)[0];
+                                 step.round_queries, threads, /*window=*/0)[0];
   paddle::experimental::reshape_(attended, {tokens, static_cast<int64_t>(step.num_heads) * step.head_dim});
   auto post = RmsNorm(linear(1, attended), normed[1], norms[2 * l + 1], step.eps, true, threads);
   const bool rounded_mlp =

@@ -17,7 +17,7 @@ std::vector<paddle::Tensor> RopeWriteKv(const paddle::Tensor& qkv, const paddle:
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& starts, const paddle::Tensor& query_lens, float scale,
-                                           bool round_queries, int num_threads);
+                                           bool round_queries, int num_threads, int window);
 std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x, int num_threads);
 std::vector<paddle::Tensor> QuantLinear(const paddle::Tensor& x, const paddle::Tensor& codes,
                                         const paddle::Tensor& scales, const paddle::Tensor& mins, int bits,

@@ -547,8 +547,8 @@ template <typename T>
 // (measured).
 template <typename T>
 [[gnu::noinline]] void attend_tile(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                                   const Task& task, const Shapes& s, float scale, bool round_queries, float* out,
-                                   Scratch& scratch, const Partial* partial) {
+                                   const Task& task, const Shapes& s, float scale, bool round_queries, int64_t window,
+                                   float* out, Scratch& scratch, const Partial* partial) {
   const int64_t group = s.heads / s.kv_heads;
   const int64_t d = s.head_dim;
   const int64_t bs = s.block_size;
@@ -580,14 +580,19 @@ template <typename T>
     if constexpr (kScaledRows<T>) scale_keys(scores + b * bs - begin, mq, keys, row_scales(block_of(k_cache, b), bs, d), n);
   }
   for (int64_t m = 0; m < mq; ++m) {
-    const int64_t seen = std::min(task.first_pos + m / group + 1, end) - begin;
+    const int64_t pos = task.first_pos + m / group;
+    const int64_t seen = std::min(pos + 1, end) - begin;
+    // with a sliding window the query sees keys pos - window + 1 .. pos (the task starts at or
+    // before the first of them, see the task list)
+    const int64_t low = window > 0 ? std::max<int64_t>(pos - window + 1 - begin, 0) : 0;
     float* row = scores + m * keys;
-    float top = row[0];
+    std::fill(row, row + low, 0.f);
+    float top = row[low];
 #pragma omp simd reduction(max : top)
-    for (int64_t j = 1; j < seen; ++j) top = std::max(top, row[j]);
+    for (int64_t j = low + 1; j < seen; ++j) top = std::max(top, row[j]);
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < seen; ++j) {
+    for (int64_t j = low; j < seen; ++j) {
       row[j] = fast_exp(row[j] - top);
       total += row[j];
     }
@@ -597,7 +602,7 @@ template <typename T>
     } else {
       const float inv = 1.f / total;
 #pragma omp simd
-      for (int64_t j = 0; j < seen; ++j) row[j] *= inv;
+      for (int64_t j = low; j < seen; ++j) row[j] *= inv;
     }
     std::fill(row + seen, row + keys, 0.f);   // keys after this query's position
   }
@@ -674,10 +679,10 @@ bool amx_task(bool amx, const Task& task, const Shapes& s) {
 
 template <typename T>
 void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache, const T* v_cache,
-               const int64_t* tables, const Shapes& s, float scale, bool round_queries, float* out, int threads,
-               int64_t chunk, Partials& partials) {
+               const int64_t* tables, const Shapes& s, float scale, bool round_queries, int64_t window, float* out,
+               int threads, int64_t chunk, Partials& partials) {
   const auto num_tasks = static_cast<int64_t>(tasks.size());
-  const bool amx = amx_tasks<T>(s, round_queries);
+  const bool amx = window == 0 && amx_tasks<T>(s, round_queries);   // the AMX tiles read every key from 0
 #pragma omp parallel num_threads(threads)
   {
     const FlushDenormals flush;
@@ -698,10 +703,10 @@ void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache,
       }
 #endif
       if (task.part < 0) {
-        attend_tile(q, k_cache, v_cache, table, task, s, scale, round_queries, out, scratch, nullptr);
+        attend_tile(q, k_cache, v_cache, table, task, s, scale, round_queries, window, out, scratch, nullptr);
       } else {
         const Partial partial = partials.of(task.part);
-        attend_tile(q, k_cache, v_cache, table, task, s, scale, round_queries, out, scratch, &partial);
+        attend_tile(q, k_cache, v_cache, table, task, s, scale, round_queries, window, out, scratch, &partial);
       }
     }
 #if defined(__AMX_BF16__) && defined(__AVX512F__)
@@ -715,8 +720,9 @@ void run_tasks(const std::vector<Task>& tasks, const float* q, const T* k_cache,
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k_cache,
                                            const paddle::Tensor& v_cache, const paddle::Tensor& block_tables,
                                            const paddle::Tensor& starts, const paddle::Tensor& query_lens, float scale,
-                                           bool round_queries, int num_threads) {
+                                           bool round_queries, int num_threads, int window) {
   const auto cache_dtype = k_cache.dtype();
+  PD_CHECK(window >= 0, "fd_paged_attention: window must be >= 0 (0: none)");
   PD_CHECK(q.dtype() == paddle::DataType::FLOAT32 && v_cache.dtype() == cache_dtype && is_cache_dtype(cache_dtype),
            "fd_paged_attention: float32 q, float32, bfloat16 or int8 caches of one dtype");
   PD_CHECK(block_tables.dtype() == paddle::DataType::INT64 && starts.dtype() == paddle::DataType::INT64 &&
@@ -733,7 +739,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const int64_t* lens = query_lens.data<int64_t>();
 
   bool amx = false;
-  with_cache_type(cache_dtype, [&](auto element) { amx = amx_tasks<decltype(element)>(s, round_queries); });
+  with_cache_type(cache_dtype, [&](auto element) { amx = window == 0 && amx_tasks<decltype(element)>(s, round_queries); });
   bool decode = true;
   for (int64_t r = 0; r < rows; ++r) decode = decode && lens[r] == 1;
   const bool split = decode && rows < kSplitRows && !(amx && cache_dtype == paddle::DataType::BFLOAT16);
@@ -748,16 +754,19 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
     for (int64_t first = 0; first < lens[r]; first += kQueryTile) {
       const int64_t count = std::min(kQueryTile, lens[r] - first);
       const int64_t keys = start[r] + first + count;
+      // the first block holding a key the tile's first query sees (a sliding window skips the rest)
+      const int64_t from = window > 0 ? std::max<int64_t>(start[r] + first - window + 1, 0) / s.block_size * s.block_size
+                                      : 0;
       for (int64_t h = 0; h < s.kv_heads; ++h) {
-        if (split && keys > part_keys) {
-          for (int64_t begin = 0; begin < keys; begin += part_keys)
+        if (split && keys - from > part_keys) {
+          for (int64_t begin = from; begin < keys; begin += part_keys)
             tasks.push_back({r, h, token + first, start[r] + first, count, begin, std::min(keys, begin + part_keys),
                              parts++});
         } else {
-          tasks.push_back({r, h, token + first, start[r] + first, count, 0, keys, -1});
+          tasks.push_back({r, h, token + first, start[r] + first, count, from, keys, -1});
         }
       }
-      work += count * keys * s.heads;
+      work += count * (keys - from) * s.heads;
     }
     token += lens[r];
   }
@@ -778,8 +787,8 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   Partials partials{group, s.head_dim, std::vector<float>(static_cast<size_t>(parts * group * (s.head_dim + 2)))};
   with_cache_type(cache_dtype, [&](auto element) {
     using T = decltype(element);
-    run_tasks(tasks, qp, cache_data<T>(k_cache), cache_data<T>(v_cache), tables, s, scale, round_queries, op, threads,
-              chunk, partials);
+    run_tasks(tasks, qp, cache_data<T>(k_cache), cache_data<T>(v_cache), tables, s, scale, round_queries, window, op,
+              threads, chunk, partials);
   });
   for (int64_t t = 0; t < num_tasks;) {   // a split row's parts are consecutive tasks
     int64_t n = 1;
@@ -808,7 +817,7 @@ std::vector<paddle::DataType> PagedAttentionDtype(const paddle::DataType& q, con
 PD_BUILD_OP(fd_paged_attention)
     .Inputs({"Q", "KCache", "VCache", "BlockTables", "Starts", "QueryLens"})
     .Outputs({"Out"})
-    .Attrs({"scale: float", "round_queries: bool", "num_threads: int"})
+    .Attrs({"scale: float", "round_queries: bool", "num_threads: int", "window: int"})
     .SetKernelFn(PD_KERNEL(PagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionDtype));

@@ -1,13 +1,13 @@
-"""The built-in Llama-family architecture: Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3, Granite, SmolLM3
-and ERNIE 4.5 (dense).
+"""The built-in Llama-family architecture: Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3 (and MoE), Granite,
+SmolLM3, Phi-3, ERNIE 4.5 (dense and MoE) and Gemma 3 (text).
 
 One decoder (``fd_core.model.llama``) with switches: q/k/v biases (Qwen2), an o_proj bias
-(``attention_bias`` on Llama / Qwen3), per-head q/k RMSNorm (Qwen3), Granite's embedding,
-attention, residual and logit multipliers, SmolLM3's layers without RoPE, ERNIE's interleaved
-RoPE, and every RoPE scaling of ``fd_core.model.rope`` (Llama 3.1-3.3's ``llama3``, ``linear``,
-``dynamic``, ``yarn``). A sliding
-window (Mistral; Qwen2/3 with ``use_sliding_window``) shorter than the context caps the served
-context at the window: within it, windowed attention is full attention, so the model stays exact.
+(``attention_bias`` on Llama / Qwen3), per-head q/k RMSNorm (Qwen3, Gemma 3), Granite's embedding,
+attention, residual and logit multipliers, SmolLM3's layers without RoPE, ERNIE's interleaved and
+Phi's partial RoPE, Gemma 3's (1 + w) sandwich norms, GeGLU, embedding scale, logit soft-capping
+and per-layer RoPE base, mixture-of-experts MLPs, sliding-window layers (Mistral, Phi-3, Qwen with
+``use_sliding_window``, Gemma 3's ``layer_types``), and every RoPE scaling of ``fd_core.model.rope``
+(Llama 3.1-3.3's ``llama3``, ``linear``, ``dynamic``, ``yarn``, ``longrope``).
 
 Every key of ``config.json`` is read, listed in :data:`NO_EFFECT` (it changes nothing at
 inference), or refused by name.
@@ -15,7 +15,6 @@ inference), or refused by name.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
@@ -24,10 +23,8 @@ import numpy as np
 from fd_core.contracts.architecture import ArchitectureConfigError, ModelArchitecture, ModelPrecision
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.model.arch import LlamaArchConfig, MoeShape
-from fd_core.model.rope import RopeConfigError, parse_rope
+from fd_core.model.rope import RopeConfigError, RopeScaling, parse_rope
 from fd_core.model.tokenizer import gguf_eos_token_ids
-
-log = logging.getLogger(__name__)
 
 #: Hugging Face architecture -> (its model_type, whether q/k/v always carry biases).
 ARCHITECTURES: Final[dict[str, tuple[str, bool]]] = {
@@ -41,6 +38,7 @@ ARCHITECTURES: Final[dict[str, tuple[str, bool]]] = {
     "Phi3ForCausalLM": ("phi3", False),
     "Qwen3MoeForCausalLM": ("qwen3_moe", False),
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", False),
+    "Gemma3ForCausalLM": ("gemma3_text", False),
 }
 #: model_type -> keys only that family's configs have (read by the parser).
 FAMILY_KEYS: Final[dict[str, frozenset[str]]] = {
@@ -53,6 +51,9 @@ FAMILY_KEYS: Final[dict[str, frozenset[str]]] = {
     "ernie4_5_moe": frozenset({"use_bias", "moe_num_experts", "moe_k", "moe_intermediate_size",
                                "moe_num_shared_experts", "moe_layer_start_index", "moe_layer_end_index",
                                "moe_layer_interval", "moe_norm_min", "num_nextn_predict_layers"}),
+    "gemma3_text": frozenset({"hidden_activation", "query_pre_attn_scalar", "sliding_window_pattern",
+                              "_sliding_window_pattern", "rope_local_base_freq", "final_logit_softcapping",
+                              "attn_logit_softcapping", "use_bidirectional_attention"}),
 }
 
 #: Keys the parser reads (their values decide the model).
@@ -85,6 +86,7 @@ NO_EFFECT: Final[dict[str, str]] = {
                      "suppress_tokens", "begin_suppress_tokens"),
                     "generation defaults: each request carries its own sampling settings"),
     **dict.fromkeys(("output_router_logits", "router_aux_loss_coef"), "mixture-of-experts training settings"),
+    "cache_implementation": "transformers' choice of KV cache class",
 }
 
 
@@ -114,14 +116,19 @@ class LlamaFamily(ModelArchitecture):
         if unknown:
             raise ArchitectureConfigError(unknown[0], f"is not a key the Llama-family plugin understands for "
                                                       f"{architecture} (an ignored key could mean another model)")
-        _expect(config, "hidden_act", "silu")
+        gemma = model_type == "gemma3_text"
+        if gemma:
+            _expect(config, "hidden_activation", "gelu_pytorch_tanh")
+            _expect(config, "attn_logit_softcapping", None)
+            _expect(config, "use_bidirectional_attention", False)
+        _expect(config, "hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
         _expect(config, "mlp_bias", False)
         _expect(config, "use_mrope", False)
         _expect(config, "use_bias", False)
         heads = _get(config, "num_attention_heads")
         attention_bias = bool(config.get("attention_bias", False))
         try:
-            rope = parse_rope(config)
+            rope, local_theta = _gemma_ropes(config) if gemma else (parse_rope(config), None)
         except RopeConfigError as e:
             raise ArchitectureConfigError(e.key, str(e).removeprefix(f"{e.key}: ")) from e
         context = rope.context_length(config.get("max_position_embeddings", 2048))
@@ -130,11 +137,9 @@ class LlamaFamily(ModelArchitecture):
         if rotary % 2 or (head_dim - rotary) % 2:
             raise ArchitectureConfigError("partial_rotary_factor", f"rotates {rotary} of {head_dim} dimensions; "
                                                                    "both parts must be even")
-        window = _sliding_window(config, architecture)
-        if window is not None and window < context:
-            log.info("%s: sliding window of %d tokens: the served context is capped at it (windowed attention "
-                     "over longer sequences is not implemented)", architecture, window)
-            context = window
+        window, sliding = _sliding_layers(config, model_type)
+        if window is None or window >= context:   # a window as long as the context changes nothing
+            window, sliding = None, ()
         eos = generation.get("eos_token_id", config.get("eos_token_id"))
         try:
             return LlamaArchConfig(
@@ -155,13 +160,22 @@ class LlamaFamily(ModelArchitecture):
                 tie_word_embeddings=config.get("tie_word_embeddings", False),
                 attention_bias=qkv_bias or attention_bias,
                 output_bias=attention_bias and not qkv_bias,
-                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
                 interleaved_rope=model_type in ("ernie4_5", "ernie4_5_moe"),
                 no_rope_layers=_no_rope_layers(config) if model_type == "smollm3" else (),
-                embedding_multiplier=config.get("embedding_multiplier", 1.0),
-                attention_multiplier=config.get("attention_multiplier"),
+                embedding_multiplier=config.get("embedding_multiplier", _get(config, "hidden_size") ** 0.5 if gemma
+                                                else 1.0),
+                attention_multiplier=(config.get("query_pre_attn_scalar", head_dim) ** -0.5 if gemma
+                                      else config.get("attention_multiplier")),
                 residual_multiplier=config.get("residual_multiplier", 1.0),
                 logits_scaling=config.get("logits_scaling", 1.0),
+                hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+                norm_weight_offset=1.0 if gemma else 0.0,
+                sandwich_norms=gemma,
+                sliding_window=window,
+                sliding_layers=sliding,
+                local_rope_theta=local_theta,
+                final_logit_softcapping=config.get("final_logit_softcapping"),
                 **_experts(config, model_type),
                 bos_token_id=generation.get("bos_token_id", config.get("bos_token_id")),
                 eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or ()),
@@ -175,6 +189,10 @@ class LlamaFamily(ModelArchitecture):
                 "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False}
         llama = {**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
         qwen3 = {**base, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32}
+        gemma3 = {key: value for key, value in base.items() if key not in ("hidden_act", "rope_theta")} | {
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 32, "num_hidden_layers": 4,
+            "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 16, "query_pre_attn_scalar": 32,
+            "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
         return {
             "llama_tied": {**llama, "tie_word_embeddings": True, "num_key_value_heads": 4},
             "llama3_rope": {**llama, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -186,7 +204,16 @@ class LlamaFamily(ModelArchitecture):
                 "beta_fast": 16.0, "beta_slow": 2.0}},
             "llama_attention_bias": {**llama, "attention_bias": True, "head_dim": 32},
             "mistral_window": {**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-                               "sliding_window": 4096},
+                               "sliding_window": 24},
+            "qwen2_window": {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                             "use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1},
+            "gemma3": {**gemma3, "rope_theta": 100000.0, "rope_local_base_freq": 10000.0,
+                       "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "sliding_window_pattern": 2},
+            "gemma3_softcap": {**gemma3, "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 24,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                               "sliding_attention"],
+                               "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
             "qwen2": {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                       "tie_word_embeddings": True},
             "qwen3": qwen3,
@@ -367,15 +394,44 @@ def _no_rope_layers(config: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(i for i, flag in enumerate(flags) if not flag)
 
 
-def _sliding_window(config: Mapping[str, Any], architecture: str) -> int | None:
-    """The attention window of the layers that have one, or None: every layer attends to all."""
-    window = config.get("sliding_window")
-    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):   # every layer has the window
-        return window
-    layer_types = config.get("layer_types")
-    if layer_types is not None:
-        kinds = set(layer_types) - {"full_attention"}
-        if kinds - {"sliding_attention"}:
-            raise ArchitectureConfigError("layer_types", f"{sorted(kinds)} are not attention kinds this plugin runs")
-        return window if kinds else None
-    return window if config.get("use_sliding_window", False) else None
+def _sliding_layers(config: Mapping[str, Any], model_type: str) -> tuple[int | None, tuple[int, ...]]:
+    """The attention window and the layers that have it (transformers' rules per family)."""
+    window, layers = config.get("sliding_window"), _get(config, "num_hidden_layers")
+    if model_type in ("mistral", "phi3"):   # every layer has the window
+        return window, tuple(range(layers)) if window else ()
+    if model_type != "gemma3_text" and not config.get("use_sliding_window", False):
+        return None, ()
+    kinds = config.get("layer_types")
+    if kinds is None:
+        if model_type == "gemma3_text":
+            pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+            kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        else:
+            first = config.get("max_window_layers", 0)
+            kinds = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                     for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"full_attention", "sliding_attention"}:
+        raise ArchitectureConfigError("layer_types", "needs full_attention or sliding_attention for each layer")
+    sliding = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    if sliding and not window:
+        raise ArchitectureConfigError("sliding_window", "sliding_attention layers need a window")
+    return (window, sliding) if sliding else (None, ())
+
+
+def _gemma_ropes(config: Mapping[str, Any]) -> tuple[RopeScaling, float]:
+    """Gemma 3: the global layers' RoPE and the sliding layers' base (its RoPE has no scaling), from
+    per-layer-type ``rope_parameters`` or from ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``."""
+    nested = config.get("rope_parameters") or {}
+    if "full_attention" in nested or "sliding_attention" in nested:
+        unknown = sorted(nested.keys() - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise RopeConfigError(f"rope_parameters.{unknown[0]}", "is not a layer type")
+        rope = parse_rope({**config, "rope_parameters": nested.get("full_attention", {"rope_theta": 1e6}),
+                           "rope_scaling": None})
+        local = parse_rope({"rope_parameters": nested.get("sliding_attention", {"rope_theta": 1e4})})
+    else:
+        rope = parse_rope({"rope_theta": 1e6, **config})
+        local = parse_rope({"rope_theta": config.get("rope_local_base_freq", 1e4)})
+    if local.type != "default" or local.partial_rotary_factor != 1.0:
+        raise RopeConfigError("rope_parameters.sliding_attention", "the sliding layers' RoPE must be unscaled")
+    return rope, local.theta

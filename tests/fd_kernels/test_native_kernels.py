@@ -92,6 +92,48 @@ def test_cpp_attention_matches_the_reference(cpp, block_size: int, heads: int, k
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
 
 
+def _dense_windowed(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray,
+                    window: int) -> np.ndarray:
+    """Attention of one row's queries ``[n, H, D]`` at ``positions`` over its keys/values ``[L, Hkv, D]``,
+    each query seeing keys p - window + 1 .. p, by definition."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    out = np.zeros_like(q)
+    for i, p in enumerate(positions):
+        lo = max(0, p - window + 1)
+        for h in range(heads):
+            scores = keys[lo:p + 1, h * kv_heads // heads] @ q[i, h]
+            w = np.exp(scores - scores.max())
+            out[i, h] = (w / w.sum()) @ values[lo:p + 1, h * kv_heads // heads]
+    return out
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("case", ["decode", "few-decode", "prefill", "ragged"])
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 130])
+def test_a_sliding_window_hides_the_keys_before_it_in_both_variants(cpp, block_size: int, case: str,
+                                                                     window: int) -> None:
+    """Windows shorter and longer than a block, a split decode row's parts and prefill tiles: the C++
+    kernel (which skips the blocks before a tile's window) and the reference equal the definition."""
+    rng = np.random.default_rng(block_size + window + len(case))
+    heads, kv_heads, head_dim = 8, 2, 32
+    attn = _step(rng, _rows(rng, block_size, case), block_size, heads, kv_heads)
+    k_cache, v_cache = (_cache(rng, "float32", NUM_BLOCKS, kv_heads, block_size, head_dim) for _ in range(2))
+    q = _random(rng, attn.num_tokens, heads, head_dim) * (1 / np.sqrt(head_dim))
+    got = cpp["attention"](q, k_cache, v_cache, attn, window=window).numpy()
+    reference = pa.attention_reference(q, k_cache, v_cache, attn, window=window).numpy()
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=2e-6)
+    begins = np.concatenate([[0], np.cumsum(attn.num_new_tokens)])
+    by_slot = [cache.numpy().transpose(0, 2, 1, 3).reshape(-1, kv_heads, head_dim) for cache in (k_cache, v_cache)]
+    for r in range(len(attn.starts)):   # each row by the definition, over its own blocks
+        length = int(attn.context_lens[r])
+        slots = attn.block_tables[r][np.arange(length) // block_size] * block_size + np.arange(length) % block_size
+        tokens = slice(int(begins[r]), int(begins[r + 1]))
+        want = _dense_windowed(q.numpy()[tokens], by_slot[0][slots], by_slot[1][slots], attn.positions[tokens], window)
+        np.testing.assert_allclose(got[tokens], want, rtol=1e-4, atol=1e-5)
+    if window < 40:
+        assert not np.allclose(got, cpp["attention"](q, k_cache, v_cache, attn).numpy(), atol=1e-3)
+
+
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
 def test_split_decode_rows_give_the_same_bits_on_any_thread_count(cpp, cache_dtype: str) -> None:
     """One decode row of 700 keys: split into parts of 128 keys whatever the thread count."""
@@ -101,7 +143,7 @@ def test_split_decode_rows_give_the_same_bits_on_any_thread_count(cpp, cache_dty
     k_cache, v_cache = (_cache(rng, cache_dtype, NUM_BLOCKS, 3, 16, 64) for _ in range(2))
     q = _random(rng, 1, 9, 64) * (1 / np.sqrt(64))
     one, two, three = (ops.fd_paged_attention(q, k_cache, v_cache, attn.row_tables, attn.row_starts, attn.row_lens,
-                                              1.0, False, threads)[0].numpy() for threads in (1, 2, 3))
+                                              1.0, False, threads, 0)[0].numpy() for threads in (1, 2, 3))
     np.testing.assert_array_equal(one, two)
     np.testing.assert_array_equal(one, three)
     want = pa.attention_reference(q, k_cache, v_cache, attn).numpy()

@@ -51,7 +51,9 @@ UNKNOWN_KEY: Final = "fd_conformance_unknown_key"
 
 DECLARES: Final = "each declared architecture has a tiny config"
 REFUSES: Final = "an unknown config key is refused by name"
-MATCHES: Final = "greedy tokens equal transformers' on every tiny config"
+MATCHES: Final = "greedy tokens and logits equal transformers' on every tiny config"
+#: How far (a share of transformers' logit range) float32 logits may be from transformers'.
+LOGITS_TOLERANCE: Final = 1e-3
 BF16: Final = "the bf16 mode keeps transformers' top-1 token"
 #: The bf16 precision mode (docs/precision.md) as ModelRunner options.
 BF16_MODE: Final = {"kv_dtype": "bfloat16", "linear_weights": "bfloat16", "linear_inputs": "bfloat16",
@@ -129,13 +131,18 @@ def _matches_transformers(plugin: ModelArchitecture) -> None:
             with tempfile.TemporaryDirectory(prefix="fd-conformance-") as tmp:
                 folder = _random_checkpoint(oracle, config, seed, Path(tmp) / case, keep_config=seed == 0)
                 prompts = _prompts(config["vocab_size"], seed)
-                expected, _ = _transformers_greedy(oracle, folder, prompts)
+                expected, expected_logits = _transformers_greedy(oracle, folder, prompts)
+                arch, weights = _checked_load(plugin, folder)
                 for kernels_name, kernels in kernel_sets.items():
-                    got = _plugin_greedy(plugin, folder, prompts, kernels)
+                    got, logits = _decode(plugin, arch, weights, prompts, NEW_TOKENS, kernels, None, {})
+                    where = f"case {case!r} seed {seed} kernels {kernels_name}: prompt"
                     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
                         if want != have:
-                            raise broken(SEAM, MATCHES, f"case {case!r} seed {seed} kernels {kernels_name}: prompt "
-                                                        f"{i} decoded {have}, transformers {want}")
+                            raise broken(SEAM, MATCHES, f"{where} {i} decoded {have}, transformers {want}")
+                    for i, (ours, theirs) in enumerate(zip(logits, expected_logits, strict=True)):
+                        error = np.abs(ours - theirs).max() / (theirs.max() - theirs.min())
+                        if error > LOGITS_TOLERANCE:   # the same tokens, so the same contexts
+                            raise broken(SEAM, MATCHES, f"{where} {i}: logits off by {error:.2%} of their range")
 
 
 def _bf16_agreement(plugin: ModelArchitecture) -> None:
@@ -211,12 +218,6 @@ def _transformers_greedy(oracle: _Oracle, folder: Path,
             tokens.append(out.sequences[0, len(prompt):].tolist())
             logits.append(torch.cat(out.logits).numpy())
     return tokens, logits
-
-
-def _plugin_greedy(plugin: ModelArchitecture, folder: Path, prompts: list[list[int]],
-                   kernels: KernelSet) -> list[list[int]]:
-    arch, weights = _checked_load(plugin, folder)
-    return greedy_tokens(plugin, arch, weights, prompts, NEW_TOKENS, kernels=kernels)
 
 
 def _checked_load(plugin: ModelArchitecture, folder: Path) -> tuple[Any, dict[str, Any]]:

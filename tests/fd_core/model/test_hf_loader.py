@@ -127,13 +127,19 @@ def test_an_architecture_no_plugin_declares_is_refused_naming_the_supported_ones
         read_hf_config(_with_config(tmp_path, architectures=["GPT2LMHeadModel"]))
 
 
-def test_a_sliding_window_shorter_than_the_context_caps_the_served_context(tmp_path: Path) -> None:
-    mistral = _with_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral",
-                           max_position_embeddings=512, sliding_window=96)
-    assert read_hf_config(mistral).max_position_embeddings == 96
-    qwen_off = _with_config(tmp_path / "q", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                            max_position_embeddings=512, sliding_window=96, use_sliding_window=False)
-    assert read_hf_config(qwen_off).max_position_embeddings == 512
+def test_sliding_windows_go_to_the_layers_transformers_gives_them(tmp_path: Path) -> None:
+    mistral = read_hf_config(_with_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral",
+                                          max_position_embeddings=512, sliding_window=96))
+    assert (mistral.max_position_embeddings, mistral.sliding_window, mistral.sliding_layers) == (512, 96, (0, 1))
+    qwen_off = read_hf_config(_with_config(tmp_path / "q", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                           max_position_embeddings=512, sliding_window=96, use_sliding_window=False))
+    assert (qwen_off.sliding_window, qwen_off.sliding_layers) == (None, ())
+    qwen_on = read_hf_config(_with_config(tmp_path / "r", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                          sliding_window=96, use_sliding_window=True, max_window_layers=1))
+    assert qwen_on.sliding_layers == (1,)
+    wide = read_hf_config(_with_config(tmp_path / "w", architectures=["MistralForCausalLM"], model_type="mistral",
+                                       max_position_embeddings=512, sliding_window=4096))
+    assert wide.sliding_layers == ()   # a window as long as the context: full attention, the fused kernel
 
 
 def test_yarn_serves_the_stretched_window(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ def test_describe_says_what_a_better_kernel_would_need() -> None:
                                            "rope_write_kv=reference (cpp needs cpp_kernels); "
                                            "linear=portable (mkl_packed needs cpp_kernels); "
                                            "swiglu=portable (cpp needs cpp_kernels); "
+                                           "geglu=portable; "
                                            "attention=reference (cpp needs cpp_kernels); "
                                            "decoder_layer=composed (cpp needs cpp_kernels)")
     assert select_kernels({FUSED_RMS_NORM}).describe().startswith("rms_norm=fused (cpp needs cpp_kernels); ")
