@@ -16,6 +16,9 @@ GGUF blocks:
 
     python benchmarks/step_breakdown.py --rows 1 --kernels auto \
         --variant 'keep={"model": {"quantized_weights": "keep"}}'
+
+A mixture-of-experts model's rows name its experts' products (``linear expert gate_up``...), the
+routing, and the whole MoE block (routing, experts, gathers and scatters; its parts are rows too).
 """
 
 from __future__ import annotations
@@ -59,13 +62,20 @@ def instrument(llm: Any, timers: Timers) -> None:
 
     import paddle.nn.functional as F
 
-    from fd_core.model import llama
+    from fd_core.model import llama, moe
 
     model = llm.engine.runner.model
     chosen = model.kernels.chosen
     names = {id(model.lm_head): "lm_head"}
     for layer in model.layers:
         names |= {id(getattr(layer, field)): field for field in ("qkv", "o", "gate_up", "down")}
+        if layer.moe is not None:   # a mixture-of-experts layer: its experts' products by kind
+            shared = [layer.moe.shared] if layer.moe.shared else []
+            for kind, pairs in (("expert", layer.moe.experts), ("shared expert", shared)):
+                for gate_up, down in pairs:
+                    names |= {id(gate_up): f"{kind} gate_up", id(down): f"{kind} down"}
+    moe.route = timers.wrap("moe routing", moe.route)
+    llama.moe_forward = timers.wrap("moe block (routing, experts, gather/scatter)", llama.moe_forward)
     linear = chosen["linear"].fn
 
     class TimedLinear:   # the linear kernel, timed per weight name
@@ -164,7 +174,8 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
             raise RuntimeError(f"{running} rows ran the timed decode steps, not {rows}")
         rate = {"decode_tok_s": round(rows * steps / (time.perf_counter() - begin), 1)}
     per_step = {name: round(1000 * s / steps, 3) for name, s in timers.seconds.items()}
-    inner = sum(v for k, v in per_step.items() if k not in ("engine step", "model forward"))
+    inner = sum(v for k, v in per_step.items()   # the moe block holds timed parts: counted by them
+                if k not in ("engine step", "model forward") and not k.startswith("moe block"))
     per_step["model: other ops"] = round(per_step["model forward"] - inner, 3)
     per_step["engine + other"] = round(per_step["engine step"] - per_step["model forward"], 3)
     return {"kernels": kernels, "sections": requested, "chosen": core.runner.kernels.describe(), "rows": rows,
