@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 KEPT_TENSOR_TYPES: Final = ("Q8_0", "Q4_0", "Q4_1")
 
 _GLOBAL_NAMES: Final = {
+    "rope_freqs.weight": "model.rope_freqs.weight",   # llama.cpp's per-frequency RoPE factors
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",

@@ -32,7 +32,7 @@ import paddle.nn.functional as F
 
 from fd_core.model.kernels import PORTABLE_KERNELS
 from fd_core.model.moe import MoeWeights, moe_forward, prepare_moe
-from fd_core.model.rope import RopeScaling, rope_tables, rotation_order
+from fd_core.model.rope import FREQ_FACTORS, RopeScaling, rope_tables, rotation_order
 from fd_kernels.quantized import BlockQuantized, stack_rows
 
 if TYPE_CHECKING:
@@ -219,7 +219,10 @@ class LlamaForCausalLM:
         else:
             self.lm_head = kernels.linear.prepare(self.embed_tokens if arch.tie_word_embeddings else tensor(head),
                                                   transposed=True, **rounding)
-        cos, sin = rope_tables(arch.rope, arch.head_dim, arch.max_position_embeddings)
+        rope = arch.rope
+        if rope.type == FREQ_FACTORS:   # the factors are a tensor of the checkpoint
+            rope = RopeScaling(rope.theta, FREQ_FACTORS, {"factors": weights["model.rope_freqs.weight"]})
+        cos, sin = rope_tables(rope, arch.head_dim, arch.max_position_embeddings)
         self.rope_cos = tensor(cos)
         self.rope_sin = tensor(sin)
         # cos / sin per rotation a layer uses: layers without RoPE write K/V through the same kernel with
@@ -336,6 +339,8 @@ def weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
     }
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, h)
+    if arch.rope_type == FREQ_FACTORS:
+        shapes["model.rope_freqs.weight"] = (arch.head_dim // 2,)
     for i in range(arch.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes |= {

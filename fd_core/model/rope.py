@@ -27,6 +27,9 @@ KEYS: Final[dict[str, frozenset[str]]] = {
     "longrope": frozenset({"short_factor", "long_factor", "factor", "attention_factor",
                            "original_max_position_embeddings"}),
 }
+#: A GGUF's RoPE scaling: each frequency divided by its factor (llama.cpp's ``rope_freqs`` tensor, which
+#: its converter writes for Llama 3.1-3.3's ``llama3`` scaling); not a type a Hugging Face config names.
+FREQ_FACTORS: Final = "freq_factors"
 #: Keys each type must have.
 REQUIRED: Final[dict[str, frozenset[str]]] = {
     "default": frozenset(),
@@ -118,6 +121,8 @@ def _rotating_frequencies(rope: RopeScaling, dim: int) -> tuple[np.ndarray, floa
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     p = rope.params
+    if rope.type == FREQ_FACTORS:
+        return (inv_freq / np.asarray(p["factors"], dtype=np.float32)).astype(np.float32), 1.0
     if rope.type in ("default", "dynamic"):   # dynamic: unscaled up to max_position_embeddings
         return inv_freq, 1.0
     if rope.type == "linear":

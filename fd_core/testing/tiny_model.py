@@ -233,6 +233,13 @@ def write_tiny_gguf(
         writer.add_key_length(arch.head_dim)
         writer.add_value_length(arch.head_dim)
     writer.add_rope_freq_base(arch.rope_theta)
+    if arch.rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(arch.rope_params["factor"])
+    elif arch.rope_type == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(arch))
+    elif arch.rope_type != "default":
+        raise ValueError(f"no GGUF form for rope_type {arch.rope_type!r} here")
     writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
     writer.add_vocab_size(arch.vocab_size)
     _add_tokenizer(writer, tok, tok_config)
@@ -301,6 +308,27 @@ def _gguf_names(arch: LlamaArchConfig) -> list[tuple[str, str]]:
     if not arch.tie_word_embeddings:
         names.append(("lm_head.weight", "output.weight"))
     return names
+
+
+def _llama3_rope_factors(arch: LlamaArchConfig) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for ``llama3`` RoPE scaling: per frequency,
+    what divides it (1 for high frequencies, ``factor`` for low ones, smoothly between)."""
+    p = arch.rope_params
+    freqs = 1.0 / (arch.rope_theta ** (np.arange(0, arch.head_dim, 2, dtype=np.float32) / arch.head_dim))
+    low_wavelen = p["original_max_position_embeddings"] / p["low_freq_factor"]
+    high_wavelen = p["original_max_position_embeddings"] / p["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(p["factor"])
+        else:
+            smooth = ((p["original_max_position_embeddings"] / wavelen - p["low_freq_factor"])
+                      / (p["high_freq_factor"] - p["low_freq_factor"]))
+            factors.append(1 / ((1 - smooth) / p["factor"] + smooth))
+    return np.asarray(factors, dtype=np.float32)
 
 
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:

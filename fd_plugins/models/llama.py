@@ -23,7 +23,7 @@ import numpy as np
 from fd_core.contracts.architecture import ArchitectureConfigError, ModelArchitecture, ModelPrecision
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.model.arch import LlamaArchConfig, MoeShape
-from fd_core.model.rope import RopeConfigError, RopeScaling, parse_rope
+from fd_core.model.rope import FREQ_FACTORS, RopeConfigError, RopeScaling, parse_rope
 from fd_core.model.tokenizer import gguf_eos_token_ids
 
 #: Hugging Face architecture -> (its model_type, whether q/k/v always carry biases).
@@ -97,7 +97,8 @@ GGUF_ARCHITECTURES: Final = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCaus
 GGUF_KEYS: Final = frozenset({
     "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
     "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
-    "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "vocab_size", "expert_count", "expert_used_count",
+    "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "vocab_size",
+    "expert_count", "expert_used_count",
 })
 
 
@@ -252,9 +253,7 @@ class LlamaFamily(ModelArchitecture):
         unknown = sorted(keys - GGUF_KEYS)
         if unknown:
             raise ArchitectureConfigError(f"{prefix}{unknown[0]}", "is not a key the Llama-family plugin understands")
-        if "rope_freqs.weight" in tensor_shapes or metadata.get(f"{prefix}rope.scaling.type", "none") != "none":
-            raise ArchitectureConfigError(f"{prefix}rope.scaling.type", "RoPE scaling in GGUF files (rope.scaling.* "
-                                                                        "or a rope_freqs tensor) is not supported yet")
+        rope_type, rope_params = _gguf_rope_scaling(metadata, prefix, tensor_shapes)
         for key in ("expert_count", "expert_used_count"):
             if metadata.get(f"{prefix}{key}", 0):
                 raise ArchitectureConfigError(f"{prefix}{key}", "mixture-of-experts GGUF files are not supported yet")
@@ -282,6 +281,8 @@ class LlamaFamily(ModelArchitecture):
                 max_position_embeddings=metadata.get(f"{prefix}context_length", 2048),
                 rms_norm_eps=_shortest(metadata.get(f"{prefix}attention.layer_norm_rms_epsilon", 1e-5)),
                 rope_theta=_shortest(metadata.get(f"{prefix}rope.freq_base", 10000.0)),
+                rope_type=rope_type,
+                rope_params=rope_params,
                 tie_word_embeddings="output.weight" not in tensor_shapes,
                 attention_bias="blk.0.attn_q.bias" in tensor_shapes,
                 qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
@@ -320,6 +321,23 @@ class LlamaFamily(ModelArchitecture):
         return LlamaForCausalLM(shape, weights, dtype=precision.dtype, kernels=kernels,
                                 linear_weights=precision.linear_weights, linear_inputs=precision.linear_inputs,
                                 attention_inputs=precision.attention_inputs)
+
+
+def _gguf_rope_scaling(metadata: Mapping[str, Any], prefix: str,
+                       tensor_shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, dict[str, Any]]:
+    """A GGUF's RoPE scaling: llama.cpp's per-frequency factors (the ``rope_freqs`` tensor: Llama
+    3.1-3.3), ``linear`` with its factor, or none; anything else is refused by key."""
+    kind = metadata.get(f"{prefix}rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensor_shapes:
+        if kind != "none":
+            raise ArchitectureConfigError(f"{prefix}rope.scaling.type", f"{kind!r} beside a rope_freqs tensor")
+        return FREQ_FACTORS, {}
+    if kind == "linear":
+        return "linear", {"factor": float(_gguf(metadata, prefix, "rope.scaling.factor"))}
+    if kind != "none":
+        raise ArchitectureConfigError(f"{prefix}rope.scaling.type", f"{kind!r} is not supported in GGUF files yet "
+                                                                    "(none, linear and rope_freqs factors are)")
+    return "default", {}
 
 
 def _gguf(metadata: Mapping[str, Any], prefix: str, key: str) -> Any:

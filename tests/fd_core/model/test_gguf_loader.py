@@ -266,11 +266,20 @@ QWEN_BASE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num
              "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": False}
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
 @pytest.mark.parametrize("config", [
     {**QWEN_BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True},
     {**QWEN_BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32},
-], ids=["qwen2", "qwen3"])
-def test_a_qwen_gguf_loads_the_folders_weights_and_decodes_what_the_folder_does(tmp_path: Path, config: dict) -> None:
+    {**QWEN_BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_scaling": LLAMA3_ROPE},
+    {**QWEN_BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+     "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+], ids=["qwen2", "qwen3", "llama3-rope-freqs", "linear-rope"])
+def test_a_gguf_loads_the_folders_weights_and_decodes_what_the_folder_does(tmp_path: Path, config: dict) -> None:
+    """Also RoPE scaling as llama.cpp's converter writes it: Llama 3.1's per-frequency factors as a
+    rope_freqs tensor, linear as metadata."""
     from fd_core.engine.llm import LLM
     from fd_core.request import SamplingParams
     from fd_core.testing.tiny_model import make_tiny_checkpoint
@@ -282,7 +291,7 @@ def test_a_qwen_gguf_loads_the_folders_weights_and_decodes_what_the_folder_does(
     assert metadata["general.architecture"] == config["model_type"]
     assert (arch.architecture, arch.head_dim, arch.attention_bias, arch.qk_norm) == (
         folder_arch.architecture, folder_arch.head_dim, folder_arch.attention_bias, folder_arch.qk_norm)
-    assert weights.keys() == folder_weights.keys()
+    assert weights.keys() - {"model.rope_freqs.weight"} == folder_weights.keys()
     for name, value in folder_weights.items():
         np.testing.assert_array_equal(weights[name], value, err_msg=name)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
