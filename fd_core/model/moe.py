@@ -70,22 +70,22 @@ def route(h: paddle.Tensor, moe: MoeWeights) -> tuple[np.ndarray, np.ndarray]:
 
 
 def moe_forward(h: paddle.Tensor, moe: MoeWeights, kernels: KernelSet) -> paddle.Tensor:
-    """The MoE block's output for ``h [T, hidden]``: the step's tokens grouped by expert, each used
-    expert's products once over its tokens, scattered back scaled by the routing weights."""
+    """The MoE block's output for ``h [T, hidden]``: the step's (token, choice) pairs grouped by
+    expert in one gather, each used expert's products once over its rows (a slice), and one
+    scatter of the results scaled by the routing weights: a handful of ops per expert and per layer."""
     linear, swiglu = kernels.linear, kernels.swiglu
     chosen, weights = route(h, moe)
     flat = chosen.reshape(-1)
-    order = np.argsort(flat, kind="stable")
+    order = np.argsort(flat, kind="stable")   # the pairs, grouped by expert (token order within)
     bounds = np.searchsorted(flat[order], np.arange(moe.shape.num_experts + 1))
-    out = paddle.zeros_like(h)
+    rows = paddle.to_tensor(order // moe.shape.top_k)
+    grouped = paddle.gather(h, rows)
+    outputs = []
     for expert in np.flatnonzero(np.diff(bounds)):
-        picks = order[bounds[expert]:bounds[expert + 1]]
-        rows = picks // moe.shape.top_k
         gate_up, down = moe.experts[expert]
-        index = paddle.to_tensor(rows)
-        y = linear(swiglu(linear(paddle.gather(h, index), gate_up)), down)
-        scale = paddle.to_tensor(weights.reshape(-1)[picks][:, None]).astype(y.dtype)
-        out = paddle.scatter_nd_add(out, index[:, None], y * scale)
+        outputs.append(linear(swiglu(linear(grouped[int(bounds[expert]):int(bounds[expert + 1])], gate_up)), down))
+    scale = paddle.to_tensor(weights.reshape(-1)[order][:, None]).astype(h.dtype)
+    out = paddle.scatter_nd_add(paddle.zeros_like(h), rows[:, None], paddle.concat(outputs) * scale)
     if moe.shared is not None:
         gate_up, down = moe.shared
         out = out + linear(swiglu(linear(h, gate_up)), down)
