@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from fd_core.contracts.architecture import ModelArchitecture
     from fd_core.model.kernels import KernelSet
 
-__all__ = ["ARCHITECTURE_CHECKS", "check_architecture", "greedy_tokens", "run_architecture_checks"]
+__all__ = ["ARCHITECTURE_CHECKS", "check_architecture", "greedy_decode", "run_architecture_checks"]
 
 SEAM: Final = "architecture"
 #: Seeds of the random models; seed 0 keeps the case's config.json, seed 1 takes transformers'.
@@ -134,7 +134,7 @@ def _matches_transformers(plugin: ModelArchitecture) -> None:
                 expected, expected_logits = _transformers_greedy(oracle, folder, prompts)
                 arch, weights = _checked_load(plugin, folder)
                 for kernels_name, kernels in kernel_sets.items():
-                    got, logits = _decode(plugin, arch, weights, prompts, NEW_TOKENS, kernels, None, {})
+                    got, logits = greedy_decode(plugin, arch, weights, prompts, NEW_TOKENS, kernels=kernels)
                     where = f"case {case!r} seed {seed} kernels {kernels_name}: prompt"
                     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
                         if want != have:
@@ -160,7 +160,8 @@ def _bf16_agreement(plugin: ModelArchitecture) -> None:
             prompts = _prompts(config["vocab_size"], 0)
             expected, oracle_logits = _transformers_greedy(oracle, folder, prompts)
             arch, weights = _checked_load(plugin, folder)
-            _, logits = _decode(plugin, arch, weights, prompts, NEW_TOKENS, kernels, expected, BF16_MODE)
+            _, logits = greedy_decode(plugin, arch, weights, prompts, NEW_TOKENS, kernels=kernels, forced=expected,
+                                      **BF16_MODE)
         for ours, theirs in zip(logits, oracle_logits, strict=True):
             for mine, truth in zip(ours, theirs, strict=True):
                 best, picked = int(truth.argmax()), int(mine.argmax())
@@ -233,19 +234,14 @@ def _checked_load(plugin: ModelArchitecture, folder: Path) -> tuple[Any, dict[st
     return arch, weights
 
 
-def greedy_tokens(plugin: ModelArchitecture, arch: Any, weights: Mapping[str, Any], prompts: list[list[int]],
-                  new_tokens: int, *, kernels: KernelSet, **runner_options: Any) -> list[list[int]]:
-    """Greedy continuations of ``prompts`` through a :class:`~fd_core.runner.model_runner.ModelRunner`
-    of ``plugin``'s model: every prompt prefilled in one step, then batched decode steps, each
-    request's blocks scattered over the pool."""
-    return _decode(plugin, arch, weights, prompts, new_tokens, kernels, None, runner_options)[0]
-
-
-def _decode(plugin: ModelArchitecture, arch: Any, weights: Mapping[str, Any], prompts: list[list[int]],
-            new_tokens: int, kernels: KernelSet, forced: list[list[int]] | None,
-            runner_options: Mapping[str, Any]) -> tuple[list[list[int]], list[np.ndarray]]:
-    """Our argmax tokens and logits ``[new_tokens, vocab]`` per prompt; with ``forced`` (teacher
-    forcing) each step appends the forced token instead of ours."""
+def greedy_decode(plugin: ModelArchitecture, arch: Any, weights: Mapping[str, Any], prompts: list[list[int]],
+                  new_tokens: int, *, kernels: KernelSet, forced: list[list[int]] | None = None,
+                  **runner_options: Any) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy tokens and logits ``[new_tokens, vocab]`` per prompt through a
+    :class:`~fd_core.runner.model_runner.ModelRunner` of ``plugin``'s model: every prompt prefilled
+    in one step, then batched decode steps, each request's blocks scattered over the pool. With
+    ``forced`` (teacher forcing) each step appends the forced token instead of ours, so every
+    step's logits are over the oracle's context."""
     from fd_core.outputs import ScheduledRequest, StepPlan
     from fd_core.request import Request
     from fd_core.runner.model_runner import ModelRunner

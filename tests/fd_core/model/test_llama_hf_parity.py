@@ -14,13 +14,11 @@ import pytest
 
 from fd_core.model.arch import LlamaArchConfig
 from fd_core.model.kernels import PORTABLE_KERNELS, KernelSet, select_kernels
-from fd_core.outputs import ScheduledRequest, StepPlan
-from fd_core.request import Request
-from fd_core.runner.model_runner import ModelRunner
+from fd_core.testing.conformance.architecture import greedy_decode
 from fd_kernels import paged_attention as pa
 from fd_plugins.models.llama import LlamaFamily
 from fd_plugins.platforms.cpu import CpuPlatform
-from tests.fd_core.model.tiny_llama import GreedySampler, random_weights, tiny_arch
+from tests.fd_core.model.tiny_llama import random_weights, tiny_arch
 
 pytestmark = pytest.mark.hf
 
@@ -79,33 +77,13 @@ def _hf_greedy(folder: Path, prompts: list[list[int]]) -> tuple[list[list[int]],
 
 
 def _ours_greedy(arch: LlamaArchConfig, weights: dict[str, np.ndarray], prompts: list[list[int]],
-                 kernels: KernelSet, *, kv_dtype: str = "float32", linear_weights: str = "float32",
-                 linear_inputs: str = "float32", attention_inputs: str = "float32",
-                 forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[np.ndarray]]:
-    """Greedy tokens through ModelRunner: all prompts prefilled in one step, then batched decode.
-
-    With ``forced`` (teacher forcing), each step appends the forced token instead of our own, so
-    every step's logits are over the same context as the oracle's.
-    """
-    sampler = GreedySampler()
-    blocks_each = -(-(max(map(len, prompts)) + MAX_NEW) // BLOCK_SIZE)
-    order = np.random.default_rng(0).permutation(NUM_PROMPTS * blocks_each)
-    runner = ModelRunner(LlamaFamily(), arch, weights, num_blocks=NUM_PROMPTS * blocks_each,
-                         block_size=BLOCK_SIZE, sampler=sampler, kernels=kernels, kv_dtype=kv_dtype,
-                         linear_weights=linear_weights, linear_inputs=linear_inputs,
-                         attention_inputs=attention_inputs)
-    reqs = [Request(f"p{i}", p) for i, p in enumerate(prompts)]
-    tables = {r.request_id: order[i * blocks_each:(i + 1) * blocks_each].tolist()
-              for i, r in enumerate(reqs)}
-    for step in range(MAX_NEW):
-        rows = [ScheduledRequest(r, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens,
-                                 tables[r.request_id], sample=True) for r in reqs]
-        result = runner.execute(StepPlan(rows))
-        for i, r in enumerate(reqs):
-            r.num_computed_tokens = r.num_tokens
-            r.output_token_ids.append(result.sampled[r.request_id].token_id if forced is None else forced[i][step])
-    return ([r.output_token_ids for r in reqs],
-            [np.stack(sampler.logits[r.request_id]) for r in reqs])
+                 kernels: KernelSet, *, forced: list[list[int]] | None = None,
+                 **modes: str) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy tokens and logits through ModelRunner (the architecture kit's driver): all prompts
+    prefilled in one step, then batched decode; ``modes`` are ModelRunner's precision keywords
+    (``kv_dtype``, ``linear_weights``...). With ``forced`` (teacher forcing) every step's logits
+    are over the oracle's context."""
+    return greedy_decode(LlamaFamily(), arch, weights, prompts, MAX_NEW, kernels=kernels, forced=forced, **modes)
 
 
 def _teacher_forced(tmp_path: Path, kernels: KernelSet, *, head_dim: int = 16,
