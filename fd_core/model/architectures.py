@@ -11,7 +11,7 @@ plugin runs every checkpoint it is given. A registry without architecture plugin
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fd_core.errors import ModelLoadError, PluginError
@@ -31,6 +31,7 @@ class ArchitecturePlugins:
 
     registry: Registry | None = None
     named: ModelArchitecture | None = None
+    chosen: dict[tuple[str, str], ModelArchitecture] = field(default_factory=dict)   # (attribute, name) -> plugin
 
     def for_hf(self, architectures: list[str], source: str) -> ModelArchitecture:
         """The plugin for a ``config.json`` declaring ``architectures``."""
@@ -46,6 +47,12 @@ class ArchitecturePlugins:
         return self._claimant(architecture, "gguf_architectures", f"{source}: GGUF architecture {architecture!r}")
 
     def _claimant(self, architecture: str, attribute: str, what: str) -> ModelArchitecture:
+        """The plugin for ``architecture`` (asked once per load: the GGUF reader and the loader share it)."""
+        if (attribute, architecture) not in self.chosen:
+            self.chosen[attribute, architecture] = self._claim(architecture, attribute, what)
+        return self.chosen[attribute, architecture]
+
+    def _claim(self, architecture: str, attribute: str, what: str) -> ModelArchitecture:
         from fd_core.registry import BUILTIN_DIST, Registry
 
         registry = self.registry
