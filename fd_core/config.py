@@ -61,8 +61,8 @@ class ModelSection(_Section):
     quantized_weights: Literal["dequantize", "keep"] = Field(
         "dequantize", description=(
             "A GGUF's quantized matrices: `dequantize` expands every type (Q4_0-Q8_0, K-quants, IQ...) to float32 "
-            "at load; `keep` leaves Q8_0 / Q4_0 / Q4_1 projections and head in their blocks (the gguf-blocks "
-            "modes; other types are expanded)."))
+            "at load; `keep` leaves Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K projections and head in their "
+            "blocks (the gguf-blocks modes; other types are expanded)."))
     linear_weights: Literal["float32", "bfloat16", "int8"] = Field(
         "float32", description=(
             "Storage of a float32 model's projection and head weights: `bfloat16` rounds them (the "

@@ -34,7 +34,7 @@ class PrecisionMode:
     """One named mode: the model keys it sets, and what it means (for docs and ``--check``)."""
 
     name: str
-    quantized_weights: str     # a GGUF's Q4_0 / Q4_1 / Q8_0 matrices: "dequantize" or "keep"
+    quantized_weights: str     # a GGUF's Q4_0-Q8_0 / Q4_K-Q6_K matrices: "dequantize" or "keep"
     linear_weights: str        # projections' and head's float32 weights: float32, bfloat16, int8
     linear_inputs: str         # their inputs: float32, bfloat16, int8
     attention_inputs: str      # attention's queries: float32 or bfloat16
@@ -67,7 +67,7 @@ MODES: Final[dict[str, PrecisionMode]] = {mode.name: mode for mode in (
                   "weights per output channel, each input row to uint8 (scale and zero point); exact integer sums",
                   "the least exact mode (~93% top-1 agreement with float32 on SmolLM2-135M)", (NEED_FLOAT32,)),
     PrecisionMode("gguf-blocks", "keep", "float32", "float32", "float32", "auto",
-                  "a GGUF's Q4_0 / Q4_1 / Q8_0 matrices in their blocks (4-7x fewer weight bytes)",
+                  "a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices in their blocks (3-7x fewer weight bytes)",
                   "nothing: the blocks are widened in registers; only the order of the sums differs",
                   "the same weight values as float32 of that file", (NEED_FLOAT32, NEED_GGUF, NEED_CPP)),
     PrecisionMode("gguf-blocks-int8", "keep", "float32", "int8", "float32", "auto",

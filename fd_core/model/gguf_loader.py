@@ -5,8 +5,9 @@ Tensors of every type gguf-py dequantizes (:func:`supported_tensor_types`: F32, 
 Q4_0-Q8_0, the K-quants Q2_K-Q6_K, IQ quants...) are dequantized at load and renamed to Hugging
 Face names (a file holding any other type is refused before any is dequantized); with
 ``keep_quantized`` the matrices the model multiplies by (projections, the embedding / head) that
-are Q8_0 / Q4_0 / Q4_1 stay in their blocks as :class:`~fd_kernels.quantized.BlockQuantized`
-(other types, such as the Q6_K head of a Q4_0 file, are float32 either way).
+are Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K stay in their blocks as
+:class:`~fd_kernels.quantized.BlockQuantized` (other types, such as Q2_K or IQ4_NL, are float32
+either way).
 Tensor names follow llama.cpp (``blk.N.attn_q.weight``...). For ``llama`` files llama.cpp's
 converter stores ``attn_q``/``attn_k`` rows permuted for interleaved (GPT-J style) RoPE; they are
 permuted back here so the weights match Hugging Face's ``rotate_half`` layout, which is what the
@@ -25,7 +26,7 @@ import numpy as np
 from fd_core.contracts.architecture import ArchitectureConfigError
 from fd_core.errors import ModelLoadError
 from fd_core.model.architectures import ArchitecturePlugins
-from fd_kernels.quantized import BlockQuantized, from_gguf_blocks
+from fd_kernels.quantized import GGUF_BLOCK_TYPES, BlockQuantized, from_gguf_blocks
 
 if TYPE_CHECKING:
     import gguf
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from fd_core.contracts.architecture import ModelShape
 
 #: The types ``keep_quantized`` keeps in their blocks.
-KEPT_TENSOR_TYPES: Final = ("Q8_0", "Q4_0", "Q4_1")
+KEPT_TENSOR_TYPES: Final = tuple(GGUF_BLOCK_TYPES)
 
 _GLOBAL_NAMES: Final = {
     "rope_freqs.weight": "model.rope_freqs.weight",   # llama.cpp's per-frequency RoPE factors

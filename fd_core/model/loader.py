@@ -68,7 +68,7 @@ def load_model(source: str = DEFAULT_MODEL_ALIAS, *, keep_quantized: bool = Fals
                plugins: ArchitecturePlugins | None = None) -> LoadedModel:
     """Load ``source``: an alias from ``MODEL_ALIASES``, a Hugging Face folder or a ``.gguf`` file.
 
-    ``keep_quantized``: a GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay in their blocks (see
+    ``keep_quantized``: a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrices stay in their blocks (see
     ``fd_core.model.gguf_loader``); a folder's weights are float32 either way. ``plugins``: the
     architecture plugins to choose from (default: every installed one).
     """

@@ -73,6 +73,40 @@ def test_kept_blocks_answer_as_the_dequantized_weights_and_free_every_block(tiny
     assert _all_blocks_free(kept) and _all_blocks_free(dequantized)
 
 
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory) -> str:
+    """A tiny Llama of 256-wide rows as a Q4_K_M-style GGUF: Q4_K matrices, a Q6_K head, v and down
+    projection of layer 0 (a scale per 16: its q/k/v stack mixes them), a Q5_K gate of layer 1."""
+    from tests.fd_core.model.gguf_encoders import write_gguf
+
+    folder = tmp_path_factory.mktemp("wide") / "wide-llama"
+    make_tiny_llama(folder, hidden=256, intermediate=256)
+    path = folder.parent / "tiny-q4_k_m.gguf"
+    return str(write_gguf(path, folder, tensor_type="Q4_K",
+                          tensor_types={"output.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K",
+                                        "blk.0.ffn_down.weight": "Q6_K", "blk.1.ffn_gate.weight": "Q5_K"}))
+
+
+def test_kept_k_quant_blocks_answer_as_the_dequantized_weights(k_quant_gguf) -> None:
+    """Q4_K / Q5_K / Q6_K stay in blocks (no float32 copy) and decode what their float32 values
+    do, fused and op by op alike."""
+    _needs_cpp_kernels()
+    kept, dequantized = _llm(k_quant_gguf, "keep", enable_prefix_caching=False), _llm(k_quant_gguf, "dequantize")
+    model = kept.engine.runner.model
+    layouts = [(linear.bits, linear.mins.shape[1] * 32 // linear.scales.shape[1])
+               for linear in (model.layers[0].qkv, model.layers[0].down, model.layers[1].gate_up, model.lm_head)]
+    assert layouts == [(8, 16), (8, 16), (8, 32), (8, 16)]   # bits, values per scale
+    assert (model.layers[1].qkv.bits, model.layers[1].down.bits) == (4, 4)
+    assert all(layer.fused is not None for layer in model.layers)
+    got, want = _answers(kept), _answers(dequantized)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-4, atol=1e-4)
+    _fuse_only(model, ())
+    assert _answers(kept) == got
+    assert _all_blocks_free(kept) and _all_blocks_free(dequantized)
+
+
 # 93 prompt tokens: the prefill step runs fused too (steps of 128 tokens or more run op by op,
 # where the quantized linear hands its matmuls to MKL); no prefix caching, so reruns take the same steps
 @pytest.mark.parametrize("prompts", [PROMPTS[:2] + [list(range(40, 90))], PROMPTS],

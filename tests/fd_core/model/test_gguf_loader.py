@@ -193,18 +193,20 @@ def test_quantized_type_loads_as_gguf_py_dequantizes_it(tmp_path: Path, wide_fol
         assert error.mean() <= mean_error * np.abs(value).mean(), name
 
 
-def test_q4_0_file_with_a_q6_k_head_keeps_its_q4_0_blocks(tmp_path: Path, wide_folder: Path) -> None:
-    """What llama.cpp writes as Q4_0: the Q4_0 matrices stay blocks, the Q6_K head is float32."""
+def test_q4_0_file_with_a_q6_k_head_keeps_every_matrix_in_blocks(tmp_path: Path, wide_folder: Path) -> None:
+    """What llama.cpp writes as Q4_0: the Q4_0 matrices and the Q6_K head stay blocks, of the
+    same values as the float32 load; an IQ4_NL matrix (not kept) is float32 either way."""
     from fd_kernels.quantized import BlockQuantized
 
     path = write_gguf(tmp_path / "q4_0.gguf", wide_folder, tensor_type="Q4_0",
-                      tensor_types={"output.weight": "Q6_K"})
+                      tensor_types={"output.weight": "Q6_K", "blk.1.ffn_up.weight": "IQ4_NL"})
     _, dense, _ = load_gguf(path)
     _, kept, _ = load_gguf(path, keep_quantized=True)
-    assert isinstance(kept["lm_head.weight"], np.ndarray)
-    np.testing.assert_array_equal(kept["lm_head.weight"], dense["lm_head.weight"])
+    assert isinstance(kept["model.layers.1.mlp.up_proj.weight"], np.ndarray)
     blocks = [name for name, value in kept.items() if isinstance(value, BlockQuantized)]
-    assert blocks == [name for name, value in dense.items() if value.ndim == 2 and name != "lm_head.weight"]
+    assert blocks == [name for name, value in dense.items()
+                      if value.ndim == 2 and name != "model.layers.1.mlp.up_proj.weight"]
+    assert kept["lm_head.weight"].group == 16   # Q6_K: a scale per 16
     for name in blocks:
         np.testing.assert_array_equal(kept[name].dequantize(), dense[name], err_msg=name)
 
