@@ -10,9 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
-from fd_core.model.rope import RopeScaling
+from fd_core.model.rope import FREQ_FACTORS, RopeScaling
+
+#: RoPE settings a GGUF file holds as tensors, not metadata: RoPE type -> setting -> the weight's name
+#: (``fd_core.model.gguf_loader`` gives llama.cpp's ``rope_freqs`` and Phi-3's ``rope_factors_long`` /
+#: ``rope_factors_short`` these names). Each is ``[rotary_dim / 2]``.
+ROPE_TENSORS: Final[dict[str, dict[str, str]]] = {
+    FREQ_FACTORS: {"factors": "model.rope_freqs.weight"},
+    "longrope": {"short_factor": "model.rope_factors_short.weight", "long_factor": "model.rope_factors_long.weight"},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +65,8 @@ class LlamaArchConfig:
     ``attention_bias``), ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``,
     ``model.layers.{i}.{input,post_attention}_layernorm.weight``, ``model.norm.weight`` and
     ``lm_head.weight`` (absent when ``tie_word_embeddings``), with ``qk_norm``
-    ``model.layers.{i}.self_attn.{q,k}_norm.weight`` (``[head_dim]``, Qwen3). Linear weights are
+    ``model.layers.{i}.self_attn.{q,k}_norm.weight`` (``[head_dim]``, Qwen3), and a GGUF's RoPE tensors
+    (:attr:`rope_tensors`). Linear weights are
     ``[out, in]``. ``max_position_embeddings`` is the context the model serves (see
     :meth:`~fd_core.model.rope.RopeScaling.context_length`).
     """
@@ -111,6 +120,12 @@ class LlamaArchConfig:
     def rope(self) -> RopeScaling:
         """The rotary embedding's base and scaling."""
         return RopeScaling(self.rope_theta, self.rope_type, self.rope_params, self.partial_rotary_factor)
+
+    @property
+    def rope_tensors(self) -> dict[str, str]:
+        """The RoPE settings this checkpoint holds as tensors (those of :data:`ROPE_TENSORS` that
+        ``rope_params`` lacks): setting -> weight name. The model reads them into :attr:`rope`."""
+        return {key: name for key, name in ROPE_TENSORS.get(self.rope_type, {}).items() if key not in self.rope_params}
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -4,20 +4,26 @@ float32 weights under Hugging Face names, and its metadata.
 Tensors of every type gguf-py dequantizes (:func:`supported_tensor_types`: F32, F16, BF16,
 Q4_0-Q8_0, the K-quants Q2_K-Q6_K, IQ quants...) are dequantized at load and renamed to Hugging
 Face names (a file holding any other type is refused before any is dequantized); with
-``keep_quantized`` the matrices the model multiplies by (projections, the embedding / head) that
-are Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K stay in their blocks as
+``keep_quantized`` the matrices the model multiplies by (projections, experts, the embedding / head)
+that are Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K stay in their blocks as
 :class:`~fd_kernels.quantized.BlockQuantized` (other types, such as Q2_K or IQ4_NL, are float32
-either way).
-Tensor names follow llama.cpp (``blk.N.attn_q.weight``...). For ``llama`` files llama.cpp's
-converter stores ``attn_q``/``attn_k`` rows permuted for interleaved (GPT-J style) RoPE; they are
-permuted back here so the weights match Hugging Face's ``rotate_half`` layout, which is what the
-model implements (``qwen2`` / ``qwen3`` files keep Hugging Face's order).
+either way; a MoE router always is).
+Tensor names follow llama.cpp (``blk.N.attn_q.weight``...), as its ``convert_hf_to_gguf.py`` writes
+them: a layer's experts merged into one 3-D tensor per projection (``ffn_gate_exps``...), split here
+into one matrix per expert; Gemma 3's ``ffn_norm`` is the norm before its MLP; Phi-3's fused
+``attn_qkv`` and ``ffn_up`` (gate and up) are split by the plugin's ``prepare_weights``, as a Hugging
+Face checkpoint's are. For the architectures whose converter class derives from llama.cpp's
+``LlamaModel`` (:data:`PERMUTED_ARCHITECTURES`) the converter stores ``attn_q``/``attn_k`` rows
+permuted for interleaved (GPT-J style) RoPE; they are permuted back here so the weights match
+Hugging Face's ``rotate_half`` layout, which is what the model implements (the other files keep
+Hugging Face's order).
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -38,14 +44,19 @@ KEPT_TENSOR_TYPES: Final = tuple(GGUF_BLOCK_TYPES)
 
 _GLOBAL_NAMES: Final = {
     "rope_freqs.weight": "model.rope_freqs.weight",   # llama.cpp's per-frequency RoPE factors
+    "rope_factors_long.weight": "model.rope_factors_long.weight",     # Phi-3's longrope factors
+    "rope_factors_short.weight": "model.rope_factors_short.weight",
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+#: A block tensor's llama.cpp part (``blk.N.<part>.weight``) -> its Hugging Face module under
+#: ``model.layers.N.``; ``{expert}`` marks a layer's experts merged into one 3-D tensor.
 _BLOCK_NAMES: Final = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",   # Phi-3's fused q/k/v
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -54,21 +65,39 @@ _BLOCK_NAMES: Final = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",   # Gemma 3's norms of the sublayers' outputs
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",   # the MoE router
+    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
-#: GGUF architectures whose q/k rows llama.cpp's converter permuted for interleaved RoPE.
-PERMUTED_ARCHITECTURES: Final = frozenset({"llama"})
+#: GGUF architecture -> the parts whose Hugging Face module differs in its files.
+_ARCHITECTURE_BLOCK_NAMES: Final = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},   # the norm before the MLP
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},                # gate and up, fused
+}
+#: Block tensors whose Hugging Face name does not end in ``.weight`` / ``.bias`` as llama.cpp's does.
+_BLOCK_TENSORS: Final = {"exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias"}   # ERNIE's score correction
+#: GGUF architectures whose q/k rows llama.cpp's converter permuted for interleaved RoPE (its
+#: ``LlamaModel`` and the classes derived from it).
+PERMUTED_ARCHITECTURES: Final = frozenset({"llama", "granite", "smollm3"})
 _BLOCK_TENSOR: Final = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def load_gguf(path: str | Path, *, keep_quantized: bool = False, plugins: ArchitecturePlugins | None = None,
               ) -> tuple[ModelShape, dict[str, np.ndarray | BlockQuantized], dict[str, Any]]:
     """Shape (parsed by the architecture plugin of ``plugins``, default every installed one, that
-    serves its ``general.architecture``), float32 weights (Hugging Face names) and all metadata
-    values of a GGUF file.
+    serves its ``general.architecture``), float32 weights (Hugging Face names, as the plugin's
+    ``prepare_weights`` lays them out) and all metadata values of a GGUF file.
 
     The metadata dict maps GGUF keys (``tokenizer.ggml.tokens``...) to Python values; the
-    tokenizer is built from it. With ``keep_quantized``, 2-D tensors of a type in
-    :data:`KEPT_TENSOR_TYPES` are returned as :class:`BlockQuantized` (the rest as float32).
+    tokenizer is built from it. With ``keep_quantized``, matrices (2-D tensors, and each expert of a
+    3-D one) of a type in :data:`KEPT_TENSOR_TYPES` are returned as :class:`BlockQuantized` (the
+    rest, and MoE routers, as float32).
     """
     import gguf
 
@@ -92,13 +121,19 @@ def load_gguf(path: str | Path, *, keep_quantized: bool = False, plugins: Archit
         arch = plugin.parse_gguf(metadata, {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors})
     except ArchitectureConfigError as e:
         raise ModelLoadError(f"{path}: {e} (architecture plugin {plugin.name!r})") from e
+    parts = _BLOCK_NAMES | _ARCHITECTURE_BLOCK_NAMES.get(architecture, {})
     weights = {}
     for tensor in reader.tensors:
-        name = _hf_name(path, tensor.name)
-        keep = keep_quantized and len(tensor.shape) == 2 and tensor.tensor_type.name in KEPT_TENSOR_TYPES
+        name = _hf_name(path, tensor.name, parts)
+        keep = (keep_quantized and len(tensor.shape) > 1 and tensor.tensor_type.name in KEPT_TENSOR_TYPES
+                and not name.endswith(".mlp.gate.weight"))   # the router is read in float32
+        if "{expert}" in name:
+            experts = _kept_experts(tensor) if keep else _dequantize(tensor)
+            weights |= {name.format(expert=e): weight for e, weight in enumerate(experts)}
+            continue
         weight = _kept(tensor) if keep else _dequantize(tensor)
         weights[name] = _unpermute(name, weight, arch) if permuted else weight
-    return arch, weights, metadata
+    return arch, plugin.prepare_weights(arch, weights), metadata
 
 
 @functools.cache
@@ -121,14 +156,18 @@ def supported_tensor_types() -> tuple[str, ...]:
     return tuple(supported)
 
 
-def _hf_name(path: Path, name: str) -> str:
+def _hf_name(path: Path, name: str, parts: Mapping[str, str]) -> str:
+    """The Hugging Face name of llama.cpp tensor ``name`` (``parts``: the file's block parts)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _BLOCK_TENSOR.fullmatch(name)
-    if match is None or match[2] not in _BLOCK_NAMES:
-        raise ModelLoadError(f"{path}: tensor {name!r} is not part of a model this loader knows")
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    if match is not None:
+        layer, part, kind = match.groups()
+        if f"{part}.{kind}" in _BLOCK_TENSORS:
+            return f"model.layers.{layer}.{_BLOCK_TENSORS[f'{part}.{kind}']}"
+        if part in parts:
+            return f"model.layers.{layer}.{parts[part]}.{kind}"
+    raise ModelLoadError(f"{path}: tensor {name!r} is not part of a model this loader knows")
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -144,6 +183,13 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
 def _kept(tensor: gguf.ReaderTensor) -> BlockQuantized:
     cols, rows = (int(n) for n in tensor.shape)
     return from_gguf_blocks(tensor.tensor_type.name, np.asarray(tensor.data), (rows, cols))
+
+
+def _kept_experts(tensor: gguf.ReaderTensor) -> list[BlockQuantized]:
+    """Each expert's matrix of a merged-experts (3-D) tensor, in its blocks."""
+    cols, rows, experts = (int(n) for n in tensor.shape)
+    return [from_gguf_blocks(tensor.tensor_type.name, data, (rows, cols))
+            for data in np.asarray(tensor.data).reshape(experts, -1)]
 
 
 def _unpermute(name: str, weight: np.ndarray | BlockQuantized,

@@ -32,7 +32,7 @@ import paddle.nn.functional as F
 
 from fd_core.model.kernels import PORTABLE_KERNELS
 from fd_core.model.moe import MoeWeights, moe_forward, prepare_moe
-from fd_core.model.rope import FREQ_FACTORS, RopeScaling, rope_tables, rotation_order
+from fd_core.model.rope import RopeScaling, rope_tables, rotation_order
 from fd_kernels.quantized import BlockQuantized, stack_rows
 
 if TYPE_CHECKING:
@@ -219,9 +219,10 @@ class LlamaForCausalLM:
         else:
             self.lm_head = kernels.linear.prepare(self.embed_tokens if arch.tie_word_embeddings else tensor(head),
                                                   transposed=True, **rounding)
-        rope = arch.rope
-        if rope.type == FREQ_FACTORS:   # the factors are a tensor of the checkpoint
-            rope = RopeScaling(rope.theta, FREQ_FACTORS, {"factors": weights["model.rope_freqs.weight"]})
+        rope = arch.rope   # with the settings a GGUF holds as tensors (llama.cpp's rope_freqs, Phi-3's factors)
+        rope = RopeScaling(rope.theta, rope.type, {**rope.params, **{key: weights[name] for key, name
+                                                                     in arch.rope_tensors.items()}},
+                           rope.partial_rotary_factor)
         cos, sin = rope_tables(rope, arch.head_dim, arch.max_position_embeddings)
         self.rope_cos = tensor(cos)
         self.rope_sin = tensor(sin)
@@ -339,8 +340,8 @@ def weight_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
     }
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, h)
-    if arch.rope_type == FREQ_FACTORS:
-        shapes["model.rope_freqs.weight"] = (arch.head_dim // 2,)
+    for name in arch.rope_tensors.values():
+        shapes[name] = (arch.rope.rotary_dim(arch.head_dim) // 2,)
     for i in range(arch.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes |= {

@@ -3,9 +3,10 @@
 :func:`make_tiny_llama` writes a complete Hugging Face folder: ``config.json``,
 ``model.safetensors`` (float32 or bfloat16, optionally sharded), ``generation_config.json``,
 ``tokenizer.json`` (a byte-level BPE trained deterministically on fixed text, SmolLM2-style
-pre-tokenizer) and ``tokenizer_config.json`` with a ChatML template. :func:`write_tiny_gguf`
-turns such a folder into a GGUF file the way llama.cpp's converter would (Q/K rows permuted for
-interleaved RoPE), in any tensor type ``gguf.quants`` can quantize.
+pre-tokenizer) and ``tokenizer_config.json`` with a ChatML template; :func:`make_tiny_checkpoint`
+one of any architecture a plugin serves. :func:`write_tiny_gguf` turns such a folder into a GGUF
+file the way llama.cpp's converter would (its keys, names and changes to the tensors), in any
+tensor type ``gguf.quants`` can quantize.
 
 Weights are random but not near-uniform (embeddings N(0, 1), Q/K gain 1.5, lm_head gain 3), so
 greedy decoding is decisive and layout mistakes change the output.
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 
@@ -194,6 +196,18 @@ def round_to_bfloat16(values: np.ndarray) -> np.ndarray:
     return (rounded >> 16).astype(np.uint16)
 
 
+#: Hugging Face architecture -> the GGUF architecture llama.cpp's converter writes it as.
+GGUF_ARCHITECTURE_NAMES: Final = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite", "SmolLM3ForCausalLM": "smollm3",
+    "Ernie4_5ForCausalLM": "ernie4_5", "Ernie4_5_MoeForCausalLM": "ernie4_5-moe",
+}
+#: GGUF architectures whose converter class derives from llama.cpp's ``LlamaModel``: q/k rows permuted
+#: for interleaved RoPE, ``vocab_size`` and ``rope.dimension_count`` written, llama3 RoPE as a tensor.
+_LLAMA_MODELS: Final = frozenset({"llama", "granite", "smollm3"})
+
+
 def write_tiny_gguf(
     path: str | Path,
     folder: str | Path,
@@ -201,13 +215,18 @@ def write_tiny_gguf(
     tensor_type: str = "F32",
     tensor_types: Mapping[str, str] | None = None,
 ) -> Path:
-    """Convert the Hugging Face folder ``folder`` (Llama, Qwen2 or Qwen3) into a GGUF file at ``path``
-    as llama.cpp's converter writes it; return ``path``.
+    """Convert the Hugging Face folder ``folder`` into a GGUF file at ``path`` as llama.cpp's
+    ``convert_hf_to_gguf.py`` writes it: its metadata keys, its tensor names (gguf-py's
+    ``TensorNameMap``, as the converter maps them) and its changes to the tensors; return ``path``.
 
-    2-D tensors are stored as ``tensor_type`` (F32, F16, Q8_0, Q4_0, Q4_1, or any type
-    ``gguf.quants.quantize`` supports); norms stay F32 as in llama.cpp. ``tensor_types`` overrides
-    the type of single tensors by GGUF name (``{"blk.0.ffn_down.weight": "Q5_0"}``). Q and K
-    rows of llama files are permuted as llama.cpp's ``convert_hf_to_gguf.py`` does.
+    Architectures: those of :data:`GGUF_ARCHITECTURE_NAMES`. A model the file would not hold as it
+    is raises ValueError instead of writing another model: llama.cpp fixes what some files leave out
+    (Gemma 3's sliding-layer pattern and query scale, SmolLM3's layers without RoPE, Qwen3-MoE's
+    renormalised experts) and its converter cannot map every layout. Matrices (2-D, and a layer's
+    experts merged into 3-D) are stored as ``tensor_type`` (F32, F16, Q8_0, Q4_0, Q4_1, or any type
+    ``gguf.quants.quantize`` supports); norms, biases, RoPE factors and MoE routers stay F32 as in
+    llama.cpp. ``tensor_types`` overrides the type of single tensors by GGUF name
+    (``{"blk.0.ffn_down.weight": "Q5_0"}``).
     """
     import gguf
 
@@ -215,50 +234,198 @@ def write_tiny_gguf(
 
     folder, path = Path(folder), Path(path)
     arch, weights = load_hf_folder(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     tok = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     tok_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    gguf_arch = GGUF_ARCHITECTURE_NAMES[arch.architecture]
+    _refuse_lossy(arch, gguf_arch)
 
-    gguf_arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
-        arch.architecture]
     writer = gguf.GGUFWriter(path, gguf_arch)
     writer.add_name(folder.name)
-    writer.add_context_length(arch.max_position_embeddings)
-    writer.add_embedding_length(arch.hidden_size)
-    writer.add_block_count(arch.num_hidden_layers)
-    writer.add_feed_forward_length(arch.intermediate_size)
-    writer.add_head_count(arch.num_attention_heads)
-    writer.add_head_count_kv(arch.num_key_value_heads)
-    writer.add_rope_dimension_count(arch.head_dim)
-    if arch.head_dim * arch.num_attention_heads != arch.hidden_size:
-        writer.add_key_length(arch.head_dim)
-        writer.add_value_length(arch.head_dim)
-    writer.add_rope_freq_base(arch.rope_theta)
-    if arch.rope_type == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(arch.rope_params["factor"])
-    elif arch.rope_type == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(arch))
-    elif arch.rope_type != "default":
-        raise ValueError(f"no GGUF form for rope_type {arch.rope_type!r} here")
-    writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
-    writer.add_vocab_size(arch.vocab_size)
+    _add_hparams(writer, arch, config, gguf_arch)
     _add_tokenizer(writer, tok, tok_config)
-
     overrides = dict(tensor_types or {})
-    for hf_name, gguf_name in _gguf_names(arch):
-        w = weights[hf_name]
-        if gguf_arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = arch.num_attention_heads if "attn_q" in gguf_name else arch.num_key_value_heads
-            w = _permute(w, heads)
-        qtype = gguf.GGMLQuantizationType[overrides.pop(gguf_name, tensor_type if w.ndim == 2 else "F32")]
-        data = gguf.quants.quantize(w, qtype)
-        writer.add_tensor(gguf_name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+    for name, value in _converted_tensors(arch, weights, gguf_arch):
+        matrix = value.ndim > 1 and name.endswith(".weight") and ".ffn_gate_inp." not in name
+        qtype = gguf.GGMLQuantizationType[overrides.pop(name, tensor_type if matrix else "F32")]
+        data = gguf.quants.quantize(value, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
     assert not overrides, f"tensor_types names tensors the model does not have: {sorted(overrides)}"
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _refuse_lossy(arch: LlamaArchConfig, gguf_arch: str) -> None:
+    """Raise ValueError naming what the converter's file would not hold of ``arch``."""
+    layers, p = arch.num_hidden_layers, arch.rope_params
+    gemma_scalar = arch.hidden_size // arch.num_attention_heads if layers == 62 else arch.head_dim
+    moe_layers = arch.moe_layers or (0,)
+    step = moe_layers[1] - moe_layers[0] if len(moe_layers) > 1 else 1
+    rope_types = {"default", "dynamic", "linear", "yarn"} | ({"llama3"} if gguf_arch in _LLAMA_MODELS else set())
+    lost = [
+        (arch.rope_type not in ({"default", "longrope"} if gguf_arch == "phi3" else rope_types),
+         f"{arch.rope_type} RoPE"),
+        (arch.rope_type == "yarn" and bool(p.keys() - {"factor", "original_max_position_embeddings", "beta_fast",
+                                                       "beta_slow"}), "yarn settings other than factor and betas"),
+        (arch.rope_type == "longrope" and "attention_factor" in p, "longrope's attention_factor"),
+        (arch.partial_rotary_factor != 1.0 and gguf_arch != "phi3", "partial rotary"),
+        (gguf_arch == "granite" and arch.head_dim * arch.num_attention_heads != arch.hidden_size, "head_dim"),
+        (bool(arch.sliding_layers) and gguf_arch not in ("gemma3", "phi3"), "a sliding window"),
+        (gguf_arch == "gemma3" and arch.sliding_layers not in ((), tuple(i for i in range(layers) if (i + 1) % 6)),
+         "sliding layers other than all but every sixth"),
+        (gguf_arch == "gemma3" and arch.attention_multiplier != gemma_scalar ** -0.5,
+         f"a query_pre_attn_scalar other than {gemma_scalar}"),
+        (gguf_arch == "smollm3" and arch.no_rope_layers != tuple(range(3, layers, 4)),
+         "layers without RoPE other than every fourth"),
+        (gguf_arch == "qwen3moe" and arch.moe_layers != tuple(range(layers)), "dense layers"),
+        (gguf_arch == "qwen3moe" and not arch.moe.renormalize, "norm_topk_prob false"),
+        (gguf_arch == "ernie4_5-moe" and arch.moe_layers != tuple(i for i in range(moe_layers[0], layers)
+                                                                  if (i + 1) % step == 0),
+         "MoE layers other than every step-th from the first"),
+        (gguf_arch == "ernie4_5-moe" and arch.moe.shared_intermediate_size not in
+         (0, arch.intermediate_size // arch.num_key_value_heads),
+         "shared experts of other than intermediate_size / num_key_value_heads rows (the converter's size)"),
+    ]
+    for condition, what in lost:
+        if condition:
+            raise ValueError(f"a {gguf_arch} GGUF file as llama.cpp writes it cannot hold {what}")
+
+
+def _add_hparams(writer: gguf.GGUFWriter, arch: LlamaArchConfig, config: Mapping[str, Any], gguf_arch: str) -> None:
+    """The ``<arch>.*`` keys the converter writes for ``config`` (``arch``: its parsed shape)."""
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(arch.hidden_size)
+    writer.add_block_count(arch.num_hidden_layers)
+    writer.add_feed_forward_length(arch.intermediate_size)
+    writer.add_head_count(arch.num_attention_heads)
+    writer.add_head_count_kv(arch.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
+    writer.add_rope_freq_base(arch.rope_theta)
+    if gguf_arch == "gemma3" or ("head_dim" in config and gguf_arch not in ("granite", "phi3")):
+        writer.add_key_length(arch.head_dim)
+        writer.add_value_length(arch.head_dim)
+    if gguf_arch in _LLAMA_MODELS | {"phi3"}:
+        writer.add_rope_dimension_count(arch.rope.rotary_dim(arch.head_dim))
+    if gguf_arch in _LLAMA_MODELS:
+        writer.add_vocab_size(arch.vocab_size)
+    _add_rope_scaling(writer, arch, config, gguf_arch)
+    if gguf_arch == "gemma3":
+        writer.add_rope_freq_base_swa(arch.local_rope_theta)
+        if arch.sliding_window:
+            writer.add_sliding_window(arch.sliding_window)
+        if arch.final_logit_softcapping:
+            writer.add_final_logit_softcapping(arch.final_logit_softcapping)
+    if gguf_arch == "phi3":   # 0: none
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+    if gguf_arch == "granite":
+        for key, add in (("attention_multiplier", writer.add_attention_scale),
+                         ("embedding_multiplier", writer.add_embedding_scale),
+                         ("residual_multiplier", writer.add_residual_scale),
+                         ("logits_scaling", writer.add_logit_scale)):
+            if config.get(key):
+                add(config[key])
+    if arch.moe is not None:
+        _add_experts(writer, arch, gguf_arch)
+
+
+def _add_rope_scaling(writer: gguf.GGUFWriter, arch: LlamaArchConfig, config: Mapping[str, Any],
+                      gguf_arch: str) -> None:
+    """Linear and yarn RoPE scaling as keys; Phi-3's pre-trained window and longrope attention factor
+    (its factors, and llama3's, are tensors: :func:`_rope_tensors`)."""
+    import gguf
+
+    p = arch.rope_params
+    if gguf_arch == "phi3":
+        original = config["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if arch.rope_type == "longrope":
+            scale = config["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1
+                                                 else 1.0)
+    elif arch.rope_type in ("linear", "yarn"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType(arch.rope_type))
+        writer.add_rope_scaling_factor(p["factor"])
+    if arch.rope_type == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(p["original_max_position_embeddings"])
+        if p.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(p["beta_fast"])
+        if p.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(p["beta_slow"])
+
+
+def _add_experts(writer: gguf.GGUFWriter, arch: LlamaArchConfig, gguf_arch: str) -> None:
+    """The experts' keys: ERNIE's also its dense lead, MoE layer step and shared experts (their size
+    as the converter computes it, intermediate_size / num_key_value_heads)."""
+    moe = arch.moe
+    writer.add_expert_count(moe.num_experts)
+    writer.add_expert_used_count(moe.top_k)
+    writer.add_expert_feed_forward_length(moe.intermediate_size)
+    if gguf_arch == "ernie4_5-moe":
+        first, *rest = arch.moe_layers
+        writer.add_interleave_moe_layer_step(rest[0] - first if rest else 1)
+        writer.add_leading_dense_block_count(first)
+        writer.add_expert_shared_count(moe.shared_intermediate_size // moe.intermediate_size)
+        if moe.shared_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(arch.intermediate_size // arch.num_key_value_heads)
+
+
+def _converted_tensors(arch: LlamaArchConfig, weights: Mapping[str, np.ndarray],
+                       gguf_arch: str) -> Iterator[tuple[str, np.ndarray]]:
+    """The converter's tensors: the RoPE tensors it generates, then the checkpoint's, named by
+    gguf-py's ``TensorNameMap`` and changed as it changes them (q/k rows permuted for the
+    ``LlamaModel`` architectures, Gemma's norms with their 1 added)."""
+    import gguf
+
+    model_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == gguf_arch)
+    names = gguf.get_tensor_name_map(model_arch, arch.num_hidden_layers)
+    yield from _rope_tensors(arch)
+    for hf_name, value in _checkpoint_tensors(arch, weights).items():
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"llama.cpp's converter cannot map {hf_name} of a {gguf_arch} model")
+        if gguf_arch in _LLAMA_MODELS and ".q_proj." in hf_name:
+            value = _permute(value, arch.num_attention_heads)
+        elif gguf_arch in _LLAMA_MODELS and ".k_proj." in hf_name:
+            value = _permute(value, arch.num_key_value_heads)
+        elif gguf_arch == "gemma3" and hf_name.endswith("norm.weight"):
+            value = value + np.float32(1.0)
+        yield gguf_name, value
+
+
+def _checkpoint_tensors(arch: LlamaArchConfig, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors as the converter gets and merges them: Phi-3's q/k/v and gate/up fused
+    (as its checkpoints hold them), a layer's experts stacked per projection, ERNIE's score
+    correction renamed to a bias."""
+    tensors = dict(weights)
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}."
+        if arch.architecture == "Phi3ForCausalLM":
+            tensors[f"{p}self_attn.qkv_proj.weight"] = np.concatenate(
+                [tensors.pop(f"{p}self_attn.{x}_proj.weight") for x in "qkv"])
+            tensors[f"{p}mlp.gate_up_proj.weight"] = np.concatenate(
+                [tensors.pop(f"{p}mlp.{x}_proj.weight") for x in ("gate", "up")])
+        if i in arch.moe_layers:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                tensors[f"{p}mlp.experts.{proj}.weight"] = np.stack(
+                    [tensors.pop(f"{p}mlp.experts.{e}.{proj}.weight") for e in range(arch.moe.num_experts)])
+            if arch.moe.score_correction:
+                tensors[f"{p}mlp.moe_statics.e_score_correction.bias"] = tensors.pop(
+                    f"{p}mlp.moe_statics.e_score_correction_bias")
+    return tensors
+
+
+def _rope_tensors(arch: LlamaArchConfig) -> list[tuple[str, np.ndarray]]:
+    """The RoPE tensors the converter generates: llama3's per-frequency factors, Phi-3's long and
+    short factors."""
+    if arch.rope_type == "llama3":
+        return [("rope_freqs.weight", _llama3_rope_factors(arch))]
+    if arch.rope_type == "longrope":
+        return [(f"rope_factors_{kind}.weight", np.asarray(arch.rope_params[f"{kind}_factor"], dtype=np.float32))
+                for kind in ("long", "short")]
+    return []
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tok: dict, tok_config: dict) -> None:
@@ -282,32 +449,6 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tok: dict, tok_config: dict) -> None
     writer.add_eos_token_id(vocab[tok_config["eos_token"]])
     writer.add_add_bos_token(bool(tok_config.get("add_bos_token", False)))
     writer.add_chat_template(tok_config["chat_template"])
-
-
-def _gguf_names(arch: LlamaArchConfig) -> list[tuple[str, str]]:
-    """(Hugging Face name, GGUF name) of every weight, in llama.cpp's file order."""
-    names = [("model.embed_tokens.weight", "token_embd.weight")]
-    parts = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    if arch.qk_norm:
-        parts |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-    biased = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") if arch.attention_bias else ()
-    for i in range(arch.num_hidden_layers):
-        names += [(f"model.layers.{i}.{hf}.weight", f"blk.{i}.{g}.weight") for hf, g in parts.items()]
-        names += [(f"model.layers.{i}.{hf}.bias", f"blk.{i}.{parts[hf]}.bias") for hf in biased]
-    names.append(("model.norm.weight", "output_norm.weight"))
-    if not arch.tie_word_embeddings:
-        names.append(("lm_head.weight", "output.weight"))
-    return names
 
 
 def _llama3_rope_factors(arch: LlamaArchConfig) -> np.ndarray:

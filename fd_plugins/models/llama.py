@@ -10,7 +10,10 @@ and per-layer RoPE base, mixture-of-experts MLPs, sliding-window layers (Mistral
 (Llama 3.1-3.3's ``llama3``, ``linear``, ``dynamic``, ``yarn``, ``longrope``).
 
 Every key of ``config.json`` is read, listed in :data:`NO_EFFECT` (it changes nothing at
-inference), or refused by name.
+inference), or refused by name. GGUF files of these families as llama.cpp's converter writes them
+(:data:`GGUF_ARCHITECTURES`) are parsed by the same rule: every ``<arch>.*`` key is read
+(:data:`GGUF_KEYS`, :data:`GGUF_FAMILY_KEYS`) or refused by name, and what llama.cpp fixes rather than
+stores (Gemma 3's layer pattern, SmolLM3's layers without RoPE...) is taken as llama.cpp takes it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.model.arch import LlamaArchConfig, MoeShape
 from fd_core.model.rope import FREQ_FACTORS, RopeConfigError, RopeScaling, parse_rope
 from fd_core.model.tokenizer import gguf_eos_token_ids
+from fd_kernels.quantized import BlockQuantized
 
 #: Hugging Face architecture -> (its model_type, whether q/k/v always carry biases).
 ARCHITECTURES: Final[dict[str, tuple[str, bool]]] = {
@@ -92,18 +96,39 @@ NO_EFFECT: Final[dict[str, str]] = {
 
 #: GGUF ``general.architecture`` -> the Hugging Face architecture its files are (llama.cpp's converter
 #: writes Mistral and Llama 1-3 as ``llama``).
-GGUF_ARCHITECTURES: Final = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-#: The ``<arch>.*`` GGUF metadata keys (without the prefix) the GGUF parser reads.
+GGUF_ARCHITECTURES: Final = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
+    "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
+}
+#: The ``<arch>.*`` GGUF metadata keys (without the prefix) the GGUF parser reads in every architecture's
+#: files. ``rope.scaling.original_context_length`` and the yarn betas change the model only beside yarn
+#: scaling or Phi-3's factors (as in llama.cpp, which writes them there).
 GGUF_KEYS: Final = frozenset({
     "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
     "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
-    "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "vocab_size",
-    "expert_count", "expert_used_count",
+    "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+    "vocab_size",
 })
+_GGUF_MOE_KEYS: Final = frozenset({"expert_count", "expert_used_count", "expert_feed_forward_length"})
+#: GGUF architecture -> the keys only its files carry (read by the GGUF parser).
+GGUF_FAMILY_KEYS: Final[dict[str, frozenset[str]]] = {
+    "qwen3moe": _GGUF_MOE_KEYS,
+    "ernie4_5-moe": _GGUF_MOE_KEYS | {"expert_shared_count", "expert_shared_feed_forward_length",
+                                      "leading_dense_block_count", "interleave_moe_layer_step"},
+    "gemma3": frozenset({"attention.sliding_window", "rope.freq_base_swa", "final_logit_softcapping"}),
+    "phi3": frozenset({"attention.sliding_window", "rope.scaling.attn_factor"}),
+    "granite": frozenset({"attention.scale", "embedding_scale", "residual_scale", "logit_scale"}),
+}
+#: GGUF architectures whose RoPE rotates pairs (2i, 2i + 1) in Hugging Face's layout too (llama.cpp's
+#: converter stores their q/k rows as they are).
+GGUF_INTERLEAVED_ROPE: Final = frozenset({"ernie4_5", "ernie4_5-moe"})
 
 
 class LlamaFamily(ModelArchitecture):
-    """Llama, Mistral, Qwen2 and Qwen3 decoders (``fd_core.model.llama``)."""
+    """The decoders of the module docstring's families (``fd_core.model.llama``)."""
 
     name: ClassVar[str] = "llama"
     fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
@@ -246,54 +271,70 @@ class LlamaFamily(ModelArchitecture):
         }
 
     def parse_gguf(self, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]]) -> LlamaArchConfig:
-        """``<arch>.*`` keys (each read or refused by name); ``tensor_shapes`` are GGUF (innermost-first) shapes."""
-        gguf_arch = metadata["general.architecture"]
-        prefix = f"{gguf_arch}."
-        keys = {key.removeprefix(prefix) for key in metadata if key.startswith(prefix)}
-        unknown = sorted(keys - GGUF_KEYS)
+        """``<arch>.*`` keys (each read or refused by name), with llama.cpp's rules for what its files
+        leave out (Gemma 3's layer pattern and query scale, SmolLM3's layers without RoPE, Qwen3-MoE's
+        renormalised experts); ``tensor_shapes`` are GGUF (innermost-first) shapes."""
+        meta = _GgufMetadata(metadata, metadata["general.architecture"])
+        unknown = sorted(meta.keys() - GGUF_KEYS - GGUF_FAMILY_KEYS.get(meta.arch, frozenset()))
         if unknown:
-            raise ArchitectureConfigError(f"{prefix}{unknown[0]}", "is not a key the Llama-family plugin understands")
-        rope_type, rope_params = _gguf_rope_scaling(metadata, prefix, tensor_shapes)
-        for key in ("expert_count", "expert_used_count"):
-            if metadata.get(f"{prefix}{key}", 0):
-                raise ArchitectureConfigError(f"{prefix}{key}", "mixture-of-experts GGUF files are not supported yet")
+            raise ArchitectureConfigError(meta.key(unknown[0]), f"is not a key the Llama-family plugin understands "
+                                                                f"in {meta.arch} files")
         if "token_embd.weight" not in tensor_shapes:
             raise ArchitectureConfigError("token_embd.weight", "the tensor is missing")
         hidden, vocab = tensor_shapes["token_embd.weight"]
-        heads = _gguf(metadata, prefix, "attention.head_count")
-        head_dim = metadata.get(f"{prefix}attention.key_length", hidden // heads)
-        for key, wanted in (("attention.value_length", head_dim), ("rope.dimension_count", head_dim),
-                            ("vocab_size", vocab)):
-            if metadata.get(f"{prefix}{key}", wanted) != wanted:
-                raise ArchitectureConfigError(f"{prefix}{key}", f"{metadata[f'{prefix}{key}']} is not supported "
-                                                                f"(this file's layout needs {wanted})")
-        architecture = GGUF_ARCHITECTURES[gguf_arch]
+        heads, layers = meta.need("attention.head_count"), meta.need("block_count")
+        head_dim = meta.get("attention.key_length", hidden // heads)
+        for key, wanted in (("attention.value_length", head_dim), ("vocab_size", vocab)):
+            if meta.get(key, wanted) != wanted:
+                raise ArchitectureConfigError(meta.key(key), f"{meta.get(key)} is not supported "
+                                                             f"(this file's layout needs {wanted})")
+        rope = RopeScaling(_shortest(meta.get("rope.freq_base", 10000.0)), *_gguf_rope_scaling(meta, tensor_shapes),
+                           _gguf_rotary_share(meta, head_dim))
+        context = rope.context_length(meta.get("context_length", 2048))
+        window, sliding = _gguf_sliding_layers(meta, layers)
+        if window is None or window >= context:   # a window as long as the context changes nothing
+            window, sliding = None, ()
+        gemma = meta.arch == "gemma3"
         try:
             return LlamaArchConfig(
-                architecture=architecture,
+                architecture=GGUF_ARCHITECTURES[meta.arch],
                 vocab_size=vocab,
-                hidden_size=_gguf(metadata, prefix, "embedding_length"),
-                intermediate_size=_gguf(metadata, prefix, "feed_forward_length"),
-                num_hidden_layers=_gguf(metadata, prefix, "block_count"),
+                hidden_size=meta.need("embedding_length"),
+                intermediate_size=meta.need("feed_forward_length"),
+                num_hidden_layers=layers,
                 num_attention_heads=heads,
-                num_key_value_heads=metadata.get(f"{prefix}attention.head_count_kv", heads),
+                num_key_value_heads=meta.get("attention.head_count_kv", heads),
                 head_dim=head_dim,
-                max_position_embeddings=metadata.get(f"{prefix}context_length", 2048),
-                rms_norm_eps=_shortest(metadata.get(f"{prefix}attention.layer_norm_rms_epsilon", 1e-5)),
-                rope_theta=_shortest(metadata.get(f"{prefix}rope.freq_base", 10000.0)),
-                rope_type=rope_type,
-                rope_params=rope_params,
+                max_position_embeddings=context,
+                rms_norm_eps=_shortest(meta.get("attention.layer_norm_rms_epsilon", 1e-5)),
+                rope_theta=rope.theta,
+                rope_type=rope.type,
+                rope_params=dict(rope.params),
+                partial_rotary_factor=rope.partial_rotary_factor,
                 tie_word_embeddings="output.weight" not in tensor_shapes,
                 attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+                output_bias="blk.0.attn_output.bias" in tensor_shapes,
                 qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+                interleaved_rope=meta.arch in GGUF_INTERLEAVED_ROPE,
+                # llama.cpp: every fourth SmolLM3 layer has no RoPE (its files do not say which)
+                no_rope_layers=tuple(range(3, layers, 4)) if meta.arch == "smollm3" else (),
+                **_gguf_multipliers(meta, hidden, heads, head_dim, layers),
+                hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+                sandwich_norms=gemma,   # its files hold the norms with Gemma's 1 added: no norm_weight_offset
+                sliding_window=window,
+                sliding_layers=sliding,
+                local_rope_theta=_shortest(meta.get("rope.freq_base_swa", 10000.0)) if gemma else None,
+                final_logit_softcapping=_shortest(meta.get("final_logit_softcapping")),
+                **_gguf_experts(meta, layers),
                 bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=gguf_eos_token_ids(metadata),
             )
         except ValueError as e:
-            raise ArchitectureConfigError(f"{prefix}attention.head_count_kv", str(e)) from e
+            raise ArchitectureConfigError(meta.key("attention.head_count_kv"), str(e)) from e
 
     def prepare_weights(self, shape: LlamaArchConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Phi-3 checkpoints fuse ``qkv_proj`` and ``gate_up_proj``: split them into the Llama names."""
+        """Phi-3 checkpoints (and GGUF files) fuse ``qkv_proj`` and ``gate_up_proj``: split them into the
+        Llama names."""
         q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
         for name in [n for n in weights if n.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))]:
             fused = weights.pop(name)
@@ -306,7 +347,7 @@ class LlamaFamily(ModelArchitecture):
             if fused.shape[0] != sum(parts.values()):
                 return {**weights, name: fused}   # weight_shapes' check names it
             for (part, rows), start in zip(parts.items(), np.cumsum([0, *parts.values()]), strict=False):
-                weights[f"{prefix}{part}.weight"] = fused[start:start + rows]
+                weights[f"{prefix}{part}.weight"] = _rows(fused, start, start + rows)
         return weights
 
     def weight_shapes(self, shape: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
@@ -323,32 +364,126 @@ class LlamaFamily(ModelArchitecture):
                                 attention_inputs=precision.attention_inputs)
 
 
-def _gguf_rope_scaling(metadata: Mapping[str, Any], prefix: str,
-                       tensor_shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, dict[str, Any]]:
-    """A GGUF's RoPE scaling: llama.cpp's per-frequency factors (the ``rope_freqs`` tensor: Llama
-    3.1-3.3), ``linear`` with its factor, or none; anything else is refused by key."""
-    kind = metadata.get(f"{prefix}rope.scaling.type", "none")
-    if "rope_freqs.weight" in tensor_shapes:
-        if kind != "none":
-            raise ArchitectureConfigError(f"{prefix}rope.scaling.type", f"{kind!r} beside a rope_freqs tensor")
+class _GgufMetadata:
+    """A GGUF's metadata, its ``<arch>.*`` keys read by their names without the prefix."""
+
+    def __init__(self, metadata: Mapping[str, Any], arch: str) -> None:
+        self.metadata, self.arch = metadata, arch
+
+    def key(self, name: str) -> str:
+        """The full key of ``name``."""
+        return f"{self.arch}.{name}"
+
+    def keys(self) -> set[str]:
+        """The names of the file's ``<arch>.*`` keys."""
+        return {key.removeprefix(f"{self.arch}.") for key in self.metadata if key.startswith(f"{self.arch}.")}
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.metadata.get(self.key(name), default)
+
+    def need(self, name: str) -> Any:
+        """The value of ``name``; raises :class:`ArchitectureConfigError` naming it when it is missing."""
+        if self.key(name) not in self.metadata:
+            raise ArchitectureConfigError(self.key(name), "missing")
+        return self.metadata[self.key(name)]
+
+
+def _gguf_rope_scaling(meta: _GgufMetadata, tensor_shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, dict[str, Any]]:
+    """A GGUF's RoPE scaling type and settings: llama.cpp's per-frequency factors (the ``rope_freqs``
+    tensor: Llama 3.1-3.3), Phi-3's ``longrope`` (no type key; its factors are the ``rope_factors_*``
+    tensors, read at build), ``linear`` and ``yarn`` with their keys, or none; anything else is
+    refused by key."""
+    kind = meta.get("rope.scaling.type", "none")
+    tensor = next((name for name in ("rope_freqs.weight", "rope_factors_short.weight") if name in tensor_shapes), None)
+    if tensor is not None and kind != "none":
+        raise ArchitectureConfigError(meta.key("rope.scaling.type"), f"{kind!r} beside a {tensor} tensor")
+    if meta.get("rope.scaling.attn_factor") is not None and tensor != "rope_factors_short.weight":
+        raise ArchitectureConfigError(meta.key("rope.scaling.attn_factor"), "only Phi-3's rope_factors take it")
+    if tensor == "rope_freqs.weight":
         return FREQ_FACTORS, {}
+    if tensor is not None:   # as transformers: the factor is max_position_embeddings over the pre-trained window
+        original = meta.need("rope.scaling.original_context_length")
+        return "longrope", {"original_max_position_embeddings": original,
+                            "factor": meta.need("context_length") / original,
+                            "attention_factor": float(meta.get("rope.scaling.attn_factor", 1.0))}
     if kind == "linear":
-        return "linear", {"factor": float(_gguf(metadata, prefix, "rope.scaling.factor"))}
+        return "linear", {"factor": _shortest(meta.need("rope.scaling.factor"))}
+    if kind == "yarn":
+        params = {"factor": _shortest(meta.need("rope.scaling.factor")),
+                  "original_max_position_embeddings": meta.need("rope.scaling.original_context_length")}
+        for setting in ("beta_fast", "beta_slow"):
+            if meta.get(f"rope.scaling.yarn_{setting}") is not None:
+                params[setting] = _shortest(meta.get(f"rope.scaling.yarn_{setting}"))
+        return "yarn", params
     if kind != "none":
-        raise ArchitectureConfigError(f"{prefix}rope.scaling.type", f"{kind!r} is not supported in GGUF files yet "
-                                                                    "(none, linear and rope_freqs factors are)")
+        raise ArchitectureConfigError(meta.key("rope.scaling.type"), f"{kind!r} is not supported in GGUF files "
+                                                                     "(none, linear, yarn and rope factor tensors are)")
+    if meta.get("rope.scaling.factor", 1.0) != 1.0:   # llama.cpp would scale the frequencies by it
+        raise ArchitectureConfigError(meta.key("rope.scaling.factor"), "needs rope.scaling.type linear or yarn")
     return "default", {}
 
 
-def _gguf(metadata: Mapping[str, Any], prefix: str, key: str) -> Any:
-    if f"{prefix}{key}" not in metadata:
-        raise ArchitectureConfigError(f"{prefix}{key}", "missing")
-    return metadata[f"{prefix}{key}"]
+def _gguf_rotary_share(meta: _GgufMetadata, head_dim: int) -> float:
+    """The share of each head ``rope.dimension_count`` rotates; only Phi-3's files rotate part of it."""
+    rotary = meta.get("rope.dimension_count", head_dim)
+    if rotary != head_dim and (meta.arch != "phi3" or not 0 < rotary < head_dim or rotary % 2 or head_dim % 2):
+        raise ArchitectureConfigError(meta.key("rope.dimension_count"), f"{rotary} is not supported "
+                                                                        f"(this file's heads have {head_dim})")
+    return rotary / head_dim
 
 
-def _shortest(value: float) -> float:
+def _gguf_sliding_layers(meta: _GgufMetadata, layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """The attention window and its layers: every layer (Phi-3), or all but every sixth (Gemma 3:
+    llama.cpp's fixed pattern, which its files do not store)."""
+    window = meta.get("attention.sliding_window") or None
+    if window is None:
+        return None, ()
+    return window, tuple(i for i in range(layers) if meta.arch != "gemma3" or (i + 1) % 6)
+
+
+def _gguf_multipliers(meta: _GgufMetadata, hidden: int, heads: int, head_dim: int, layers: int) -> dict[str, Any]:
+    """Embedding, attention, residual and logit scales: Granite's keys, or Gemma 3's llama.cpp rules (the
+    embedding times sqrt(hidden); queries by ``query_pre_attn_scalar``, which its files leave out:
+    hidden / heads for the 27B model, which llama.cpp knows by its 62 layers, head_dim for the others)."""
+    if meta.arch == "gemma3":
+        scalar = hidden // heads if layers == 62 else head_dim
+        return {"embedding_multiplier": hidden ** 0.5, "attention_multiplier": scalar ** -0.5}
+    return {"embedding_multiplier": _shortest(meta.get("embedding_scale", 1.0)),
+            "attention_multiplier": _shortest(meta.get("attention.scale")),
+            "residual_multiplier": _shortest(meta.get("residual_scale", 1.0)),
+            "logits_scaling": _shortest(meta.get("logit_scale", 1.0))}
+
+
+def _gguf_experts(meta: _GgufMetadata, layers: int) -> dict[str, Any]:
+    """``moe`` and ``moe_layers`` of a Qwen3-MoE or ERNIE 4.5 MoE file, by llama.cpp's rules: every
+    Qwen3-MoE layer has experts, their weights renormalised; ERNIE's layers from
+    ``leading_dense_block_count`` on, every ``interleave_moe_layer_step``-th, with score correction and
+    ``expert_shared_feed_forward_length`` of shared experts."""
+    if meta.arch not in ("qwen3moe", "ernie4_5-moe"):
+        return {}
+    experts, top_k = meta.need("expert_count"), meta.need("expert_used_count")
+    if not 0 < top_k <= experts:
+        raise ArchitectureConfigError(meta.key("expert_used_count"), f"{top_k} is not in 1..expert_count={experts}")
+    size = meta.need("expert_feed_forward_length")
+    if meta.arch == "qwen3moe":
+        return {"moe": MoeShape(experts, top_k, size, renormalize=True), "moe_layers": tuple(range(layers))}
+    shared = meta.need("expert_shared_feed_forward_length") if meta.get("expert_shared_count", 0) else 0
+    first, step = meta.get("leading_dense_block_count", 0), meta.get("interleave_moe_layer_step", 1)
+    if step < 1:
+        raise ArchitectureConfigError(meta.key("interleave_moe_layer_step"), f"{step} is not a layer step")
+    shape = MoeShape(experts, top_k, size, renormalize=True, norm_min=1e-12, score_correction=True,
+                     shared_intermediate_size=shared)
+    return {"moe": shape, "moe_layers": tuple(i for i in range(first, layers) if (i + 1) % step == 0)}
+
+
+def _shortest(value: float | None) -> float | None:
     """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
-    return float(str(np.float32(value)))
+    return None if value is None else float(str(np.float32(value)))
+
+
+def _rows(matrix: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of a float32 matrix or of one kept in GGUF blocks."""
+    return matrix.take_rows(np.arange(start, stop)) if isinstance(matrix, BlockQuantized) else matrix[start:stop]
 
 
 def _architecture(config: Mapping[str, Any]) -> str:

@@ -43,8 +43,12 @@ def test_gguf_metadata_parses_into_the_shape() -> None:
     ({"llama.attention.sliding_window": 64}, "llama.attention.sliding_window"),
     ({"llama.expert_count": 8}, "llama.expert_count"),
     ({"llama.rope.dimension_count": 8}, "llama.rope.dimension_count"),
-    ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type"),
+    ({"llama.rope.scaling.type": "longrope"}, "llama.rope.scaling.type"),
+    ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.factor"),
     ({"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.factor"),
+    ({"llama.rope.scaling.factor": 2.0}, "llama.rope.scaling.factor"),
+    ({"llama.rope.scaling.attn_factor": 1.2}, "llama.rope.scaling.attn_factor"),
+    ({"llama.attention.scale": 0.1}, "llama.attention.scale"),
 ])
 def test_a_gguf_key_the_plugin_cannot_serve_is_refused_by_name(change: dict, key: str) -> None:
     with pytest.raises(ArchitectureConfigError) as info:
