@@ -1,7 +1,8 @@
 """Block-quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 and the K-quants Q4_K / Q5_K / Q6_K kept in
-their blocks): the container equals gguf's own dequantization bit for bit, and the C++ matmul that widens the blocks in registers
-equals a float32 matmul of the dequantized weight (up to the order of the sums); with int8 inputs,
-the same matmul of the inputs' int8 block values (integer dot products in C++)."""
+their blocks): the container equals gguf's own dequantization bit for bit, and the C++ matmul
+that widens the blocks in registers equals a float32 matmul of the dequantized weight (up to the
+order of the sums); with int8 inputs, the same matmul of the inputs' int8 block values (integer
+dot products in C++)."""
 
 from __future__ import annotations
 
