@@ -30,7 +30,7 @@ _TIMING = """
 import json, sys, time
 import numpy as np
 prompt_len, new_tokens = {prompt_len}, {new_tokens}
-prompt = np.random.default_rng({seed}).integers(100, 40000, prompt_len).tolist()
+prompt = np.random.default_rng({seed}).integers(100, {max_token_id}, prompt_len).tolist()
 {setup}
 def timed(n):
     start = time.perf_counter()
@@ -78,7 +78,7 @@ def generate(n):
 def _run(python: str, setup: str, args: argparse.Namespace, tree: Path | None = None) -> dict:
     """One engine's timings, in a process of its own (imports from ``tree`` when given)."""
     script = textwrap.dedent(_TIMING).format(prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                             seed=args.seed, setup=textwrap.dedent(setup))
+                                             seed=args.seed, max_token_id=args.max_token_id, setup=textwrap.dedent(setup))
     with tempfile.TemporaryDirectory(prefix="fd-single-") as scratch:
         env = dict(os.environ)
         if tree is not None:
@@ -105,6 +105,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-token-id", type=int, default=40000,
+                        help="prompt ids are drawn from [100, this): at most the model's vocabulary")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     if args.model is None:

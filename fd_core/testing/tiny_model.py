@@ -243,7 +243,7 @@ def write_tiny_gguf(
     writer = gguf.GGUFWriter(path, gguf_arch)
     writer.add_name(folder.name)
     _add_hparams(writer, arch, config, gguf_arch)
-    _add_tokenizer(writer, tok, tok_config)
+    _add_tokenizer(writer, tok, tok_config, arch.vocab_size)
     overrides = dict(tensor_types or {})
     for name, value in _converted_tensors(arch, weights, gguf_arch):
         matrix = value.ndim > 1 and name.endswith(".weight") and ".ffn_gate_inp." not in name
@@ -428,8 +428,10 @@ def _rope_tensors(arch: LlamaArchConfig) -> list[tuple[str, np.ndarray]]:
     return []
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, tok: dict, tok_config: dict) -> None:
-    """Write ``tokenizer.json`` + ``tokenizer_config.json`` as GGUF ``tokenizer.*`` metadata."""
+def _add_tokenizer(writer: gguf.GGUFWriter, tok: dict, tok_config: dict, vocab_size: int) -> None:
+    """Write ``tokenizer.json`` + ``tokenizer_config.json`` as GGUF ``tokenizer.*`` metadata; a
+    vocabulary smaller than the model's ``vocab_size`` is padded with unused ``[PAD<id>]`` tokens,
+    as llama.cpp's converter pads it (llama.cpp wants a token per embedding row)."""
     import gguf
 
     vocab: dict[str, int] = dict(tok["model"]["vocab"])
@@ -437,13 +439,15 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tok: dict, tok_config: dict) -> None
     vocab |= {t["content"]: t["id"] for t in tok["added_tokens"]}
     tokens = sorted(vocab, key=vocab.__getitem__)
     assert [vocab[t] for t in tokens] == list(range(len(tokens))), "token ids are not contiguous"
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    padding = range(len(tokens), vocab_size)
+    tokens += [f"[PAD{i}]" for i in padding]
+    types += [gguf.TokenType.UNUSED] * len(padding)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")  # Digits(individual) + GPT-2 regex, as the folder's tokenizer
     writer.add_token_list(tokens)
-    writer.add_token_types(
-        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
-    )
+    writer.add_token_types(types)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(vocab[tok_config["bos_token"]])
     writer.add_eos_token_id(vocab[tok_config["eos_token"]])
