@@ -17,8 +17,9 @@ GGUF blocks:
     python benchmarks/step_breakdown.py --rows 1 --kernels auto \
         --variant 'keep={"model": {"quantized_weights": "keep"}}'
 
-A mixture-of-experts model's rows name its experts' products (``linear expert gate_up``...), the
-routing, and the whole MoE block (routing, experts, gathers and scatters; its parts are rows too).
+A mixture-of-experts model's rows name the whole MoE block (routing, experts, gathers and
+scatters; its parts are rows too) and the ``moe_experts`` kernel; where that runs the portable
+path, its parts: the routing and its experts' products (``linear expert gate_up``...).
 """
 
 from __future__ import annotations
@@ -34,22 +35,29 @@ from typing import Any
 
 
 class Timers:
-    """Seconds and calls per component name."""
+    """Seconds and calls per component name; ``holders``: the names whose calls held timed calls
+    (the model's forward, the MoE block...), whose time their parts' rows already count."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.holders: set[str] = set()
         self.on = False
+        self._open: list[str] = []   # the timed calls in progress, outermost first
 
     def wrap(self, name: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
                 return fn(*args, **kwargs)
+            key = name(*args) if callable(name) else name
+            if self._open:
+                self.holders.add(self._open[-1])
+            self._open.append(key)
             begin = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                key = name(*args) if callable(name) else name
+                self._open.pop()
                 self.seconds[key] += time.perf_counter() - begin
                 self.calls[key] += 1
 
@@ -62,7 +70,8 @@ def instrument(llm: Any, timers: Timers) -> None:
 
     import paddle.nn.functional as F
 
-    from fd_core.model import llama, moe
+    from fd_core.model import llama
+    from fd_kernels import moe
 
     model = llm.engine.runner.model
     chosen = model.kernels.chosen
@@ -174,8 +183,7 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
             raise RuntimeError(f"{running} rows ran the timed decode steps, not {rows}")
         rate = {"decode_tok_s": round(rows * steps / (time.perf_counter() - begin), 1)}
     per_step = {name: round(1000 * s / steps, 3) for name, s in timers.seconds.items()}
-    inner = sum(v for k, v in per_step.items()   # the moe block holds timed parts: counted by them
-                if k not in ("engine step", "model forward") and not k.startswith("moe block"))
+    inner = sum(v for k, v in per_step.items() if k != "engine step" and k not in timers.holders)
     per_step["model: other ops"] = round(per_step["model forward"] - inner, 3)
     per_step["engine + other"] = round(per_step["engine step"] - per_step["model forward"], 3)
     return {"kernels": kernels, "sections": requested, "chosen": core.runner.kernels.describe(), "rows": rows,

@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Any, Final
 
 from fd_kernels.linear import PORTABLE_LINEAR
+from fd_kernels.moe import GROUPED, BoundExperts, Router
 from fd_kernels.quantized import BlockQuantized, quantize_int8_channels
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 _CSRC: Final = Path(__file__).parent / "csrc"
 SOURCES: Final = tuple(_CSRC / name for name in ("paged_attention.cc", "rms_norm.cc", "rope_kv.cc", "swiglu.cc",
                                                   "packed_linear.cc", "quant_linear.cc", "int8_linear.cc",
-                                                  "bf16_linear.cc", "bf16_mlp.cc", "decoder_layer.cc"))
+                                                  "bf16_linear.cc", "bf16_mlp.cc", "decoder_layer.cc",
+                                                  "moe_experts.cc"))
 HEADERS: Final = tuple(sorted(_CSRC.glob("*.h")))
 # OpenMP: the kernels run on Intel's runtime (libiomp5, which Paddle's MKL uses): one thread pool
 # for the matmuls and these kernels, so neither spins against the other's threads. No FP traps or
@@ -99,7 +101,7 @@ def load_native(capabilities: Collection[str]) -> ModuleType:
     """The ops module (``fd_paged_attention``, ``fd_rms_norm``, ``fd_rope_write_kv``, ``fd_swiglu``,
     ``fd_pack_weight``, ``fd_packed_linear``, ``fd_quant_linear``, ``fd_pack_bf16``, ``fd_bf16_linear``,
     ``fd_pack_int8``, ``fd_int8_linear``,
-    ``fd_decoder_layers``) built for
+    ``fd_decoder_layers``, ``fd_moe_route``, ``fd_moe_experts``) built for
     ``capabilities``; builds on first use."""
     flags = isa_flags(capabilities)
     folder = cache_dir(flags)
@@ -217,9 +219,15 @@ class _Packed:
     """A float32 weight in MKL's packed layout."""
 
     __slots__ = ("data", "width")
+    kind = 0             # fd_moe_experts' code for this layout
+    round_inputs = False   # its inputs stay float32
 
     def __init__(self, data: Any, width: int) -> None:
         self.data, self.width = data, width
+
+    def operands(self) -> tuple[Any, Any, Any]:
+        """The fused ops' three tensors of this linear: the packed weight (twice more: nothing else)."""
+        return self.data, self.data, self.data
 
 
 class _Int8:
@@ -227,6 +235,8 @@ class _Int8:
     channels' scales and code sums (what a row's zero point multiplies)."""
 
     __slots__ = ("data", "scales", "code_sums", "width")
+    kind = 2               # fd_moe_experts' code for this layout
+    round_inputs = False   # (its inputs are quantized per row by the kernel itself)
 
     def __init__(self, ops: ModuleType, weight: Any, transposed: bool, mkl: str) -> None:
         import numpy as np
@@ -239,18 +249,23 @@ class _Int8:
         self.scales = paddle.to_tensor(scales)
         self.code_sums = paddle.to_tensor(codes.sum(axis=1, dtype=np.int32))
 
+    def operands(self) -> tuple[Any, Any, Any]:
+        """The fused ops' three tensors of this linear."""
+        return self.data, self.scales, self.code_sums
+
 
 class _Bf16:
     """A weight in ``fd_pack_bf16``'s bfloat16 panels (``round_inputs``: its inputs rounded too)."""
 
     __slots__ = ("data", "width", "round_inputs")
     bits = 16   # the fused layer's code for these panels
+    kind = 1    # fd_moe_experts' code for these panels
 
     def __init__(self, data: Any, width: int, round_inputs: bool) -> None:
         self.data, self.width, self.round_inputs = data, width, round_inputs
 
     def operands(self) -> tuple[Any, Any, Any]:
-        """The fused layer's three tensors of this linear: the panels (twice more: no scales or mins)."""
+        """The fused ops' three tensors of this linear: the panels (twice more: no scales or mins)."""
         return self.data, self.data, self.data
 
 
@@ -266,8 +281,13 @@ class _Quantized:
         self.bits, self.width, self.round_inputs = weight.bits, weight.shape[0], round_inputs
         self.codes, self.scales, self.mins = (paddle.to_tensor(a) for a in (weight.codes, weight.scales, weight.mins))
 
+    @property
+    def kind(self) -> int:
+        """fd_moe_experts' code for these blocks: their bits."""
+        return self.bits
+
     def operands(self) -> tuple[Any, Any, Any]:
-        """The fused layer's three tensors of this linear."""
+        """The fused ops' three tensors of this linear."""
         return self.codes, self.scales, self.mins
 
 
@@ -349,18 +369,77 @@ def prepare_decoder_layer(capabilities: Collection[str]) -> FusedDecoderLayer:
     return FusedDecoderLayer(load_native(capabilities), bf16_products="-mamx-bf16" in flags or "-mavx512bf16" in flags)
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertOperands:
+    """What :meth:`FusedExperts.bind` keeps for one MoE layer: ``fd_moe_experts``' operands."""
+
+    router: Any            # [E, hidden] float32: expert e's router row
+    correction: Any        # [E] float32: the score correction (zeros where the layer has none)
+    top_k: int
+    renormalize: bool
+    norm_min: float
+    tensors: list[Any]     # three per linear, expert 0's gate_up, its down, expert 1's gate_up, ...
+    kinds: list[int]       # per linear: its prepared kind's code (see csrc/moe_experts.cc)
+    widths: list[int]      # per linear: its output width
+    round_inputs: list[int]   # per linear: its input rounded to its weights' kind (bfloat16 or int8)
+
+
+class FusedExperts:
+    """The C++ ``moe_experts`` (``csrc/moe_experts.cc``): a MoE layer's routing and its used experts'
+    gate/up, SwiGLU and down over their grouped tokens in one op, through the linear kernels
+    :class:`PackedLinear` calls (see ``fd_kernels.moe``). Binds layers whose every expert linear
+    :class:`PackedLinear` prepared in C++ (float32 packed, bfloat16 panels, int8 channels, blocks);
+    the others run as ``fd_kernels.moe.GROUPED`` does."""
+
+    def __init__(self, ops: ModuleType, mkl: Path) -> None:
+        self._op = ops.fd_moe_experts
+        self._mkl = str(mkl)
+        self._threads = _threads()
+
+    def bind(self, router: Router, experts: Sequence[tuple[Any, Any]]) -> ExpertOperands | BoundExperts:
+        """The op's operands for this layer, or :data:`~fd_kernels.moe.GROUPED`'s binding."""
+        import paddle
+
+        linears = [prepared for pair in experts for prepared in pair]
+        if not all(isinstance(prepared, (_Packed, _Bf16, _Int8, _Quantized)) for prepared in linears):
+            return GROUPED.bind(router, experts)
+        rows = router.weight.T.contiguous()
+        correction = (paddle.zeros([rows.shape[0]], dtype="float32") if router.correction is None
+                      else router.correction.reshape([-1]))
+        return ExpertOperands(rows, correction, router.top_k, router.renormalize, router.norm_min,
+                              [t for prepared in linears for t in prepared.operands()],
+                              [prepared.kind for prepared in linears], [prepared.width for prepared in linears],
+                              [int(prepared.round_inputs) for prepared in linears])
+
+    def __call__(self, h: Any, bound: ExpertOperands | BoundExperts, linear: Any, swiglu: Callable[..., Any]) -> Any:
+        """The routed experts' output ``[T, hidden]`` (``linear`` and ``swiglu``: for an unbound layer)."""
+        if not isinstance(bound, ExpertOperands):
+            return GROUPED(h, bound, linear, swiglu)
+        return self._op(h, bound.router, bound.correction, bound.tensors, bound.top_k, bound.renormalize,
+                        bound.norm_min, bound.kinds, bound.widths, bound.round_inputs, self._threads, self._mkl)
+
+
+def prepare_moe_experts(capabilities: Collection[str]) -> FusedExperts:
+    """The C++ ``moe_experts`` variant (see :class:`FusedExperts`); it needs what the C++ ``linear``
+    variant needs."""
+    mkl = _mkl_library()
+    return FusedExperts(load_native(capabilities), mkl)
+
+
 def prepare_linear(capabilities: Collection[str]) -> PackedLinear:
     """The C++ ``linear`` variant: weights packed for MKL's GEMM, which must be in Paddle's wheel
     (``libmklml_intel.so``)."""
     mkl = _mkl_library()
-    if not mkl.exists():
-        raise NativeKernelsUnavailable(f"Paddle's wheel has no {mkl.name} (MKL's packed GEMM)")
     return PackedLinear(load_native(capabilities), mkl)
 
 
 def _mkl_library() -> Path:
-    """Paddle's MKL (its GEMM entry points), which a CPU wheel ships."""
-    return paddle_libs() / "libmklml_intel.so"
+    """Paddle's MKL (its GEMM entry points), which a CPU wheel ships; raises
+    :class:`NativeKernelsUnavailable` where it does not."""
+    mkl = paddle_libs() / "libmklml_intel.so"
+    if not mkl.exists():
+        raise NativeKernelsUnavailable(f"Paddle's wheel has no {mkl.name} (MKL's packed GEMM)")
+    return mkl
 
 
 def _threads() -> int:

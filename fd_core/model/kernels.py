@@ -19,7 +19,7 @@ from typing import Any, Final
 import paddle.nn.functional as F
 
 from fd_core.contracts.platform import CPP_KERNELS, FUSED_RMS_NORM
-from fd_kernels import decoder_layer, linear, native, paged_attention, rms_norm
+from fd_kernels import decoder_layer, linear, moe, native, paged_attention, rms_norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,10 @@ KERNEL_VARIANTS: Final[dict[str, tuple[KernelVariant, ...]]] = {
     "decoder_layer": (
         KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_decoder_layer),
         KernelVariant("composed", frozenset(), decoder_layer.COMPOSED),
+    ),
+    "moe_experts": (
+        KernelVariant("cpp", frozenset({CPP_KERNELS}), None, native.prepare_moe_experts),
+        KernelVariant("grouped", frozenset(), moe.GROUPED),
     ),
 }
 
@@ -114,6 +118,12 @@ class KernelSet:
         eps) -> (out, residual)``: the run's layers in one call, for steps of fewer than its
         ``.max_tokens`` tokens; see ``fd_kernels.decoder_layer``."""
         return self.chosen["decoder_layer"].fn
+
+    @property
+    def moe_experts(self) -> Any:
+        """``.bind(router, experts)`` once per MoE layer, then ``(h, bound, linear, swiglu) -> out``: the
+        layer's routed experts over a step's tokens, each used expert's products once; see ``fd_kernels.moe``."""
+        return self.chosen["moe_experts"].fn
 
     @property
     def reads_gather_inputs(self) -> bool:

@@ -192,7 +192,8 @@ class LlamaForCausalLM:
             fusable = (qk_norms is None and o_bias is None and rope == "global" and window is None
                        and i not in arch.moe_layers and not arch.sandwich_norms and arch.hidden_act == "silu")
             if i in arch.moe_layers:   # experts instead of the dense MLP
-                moe, gate_up, down = prepare_moe(arch.moe, f"{p}mlp.", weights, tensor, linear), None, None
+                moe, gate_up, down = prepare_moe(arch.moe, f"{p}mlp.", weights, tensor, linear,
+                                                   kernels.moe_experts.bind), None, None
             else:
                 moe = None
                 gate_up = linear(weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"])

@@ -19,6 +19,10 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
                                            const paddle::Tensor& starts, const paddle::Tensor& query_lens, float scale,
                                            bool round_queries, int num_threads, int window);
 std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x, int num_threads);
+std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x, const paddle::Tensor& packed, int n);
+std::vector<paddle::Tensor> Int8Linear(const paddle::Tensor& x, const paddle::Tensor& packed,
+                                       const paddle::Tensor& scales, const paddle::Tensor& code_sums, int n,
+                                       int num_threads);
 std::vector<paddle::Tensor> QuantLinear(const paddle::Tensor& x, const paddle::Tensor& codes,
                                         const paddle::Tensor& scales, const paddle::Tensor& mins, int bits,
                                         int num_threads, const std::string& mkl_path, bool int8_inputs);

@@ -36,7 +36,8 @@ def test_describe_says_what_a_better_kernel_would_need() -> None:
                                            "swiglu=portable (cpp needs cpp_kernels); "
                                            "geglu=portable; "
                                            "attention=reference (cpp needs cpp_kernels); "
-                                           "decoder_layer=composed (cpp needs cpp_kernels)")
+                                           "decoder_layer=composed (cpp needs cpp_kernels); "
+                                           "moe_experts=grouped (cpp needs cpp_kernels)")
     assert select_kernels({FUSED_RMS_NORM}).describe().startswith("rms_norm=fused (cpp needs cpp_kernels); ")
 
 

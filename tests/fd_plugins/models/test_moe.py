@@ -1,6 +1,8 @@
 """Mixture-of-experts layers in the engine: a token's expert output does not depend on the tokens
-beside it, batched and preempted runs decode what one-at-a-time runs do, and every KV block is
-free after the drain (the parity with transformers is the conformance kit's, test_llama_family)."""
+beside it, batched and preempted runs decode what one-at-a-time runs do (through the C++ experts
+op where the host has the C++ kernels), and every KV block is free after the drain (the parity
+with transformers is the conformance kit's, test_llama_family; the op's own bits,
+tests/fd_kernels/test_moe_experts.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from fd_core.model.kernels import PORTABLE_KERNELS, select_kernels
 from fd_core.model.moe import moe_forward, prepare_moe
 from fd_core.request import SamplingParams
 from fd_core.testing.tiny_model import make_tiny_checkpoint
+from fd_kernels.native import ExpertOperands
 from fd_plugins.platforms.cpu import CpuPlatform
 
 HIDDEN = 64
@@ -32,7 +35,7 @@ def test_a_tokens_expert_output_is_the_same_alone_and_among_256(kernels) -> None
         return paddle.to_tensor(np.ascontiguousarray(array, np.float32))
 
     moe = prepare_moe(shape, "mlp.", weights, tensor, lambda *blocks: kernels.linear.prepare(
-        tensor(np.concatenate(blocks, axis=0).T)))
+        tensor(np.concatenate(blocks, axis=0).T)), kernels.moe_experts.bind)
     x = rng.standard_normal((256, HIDDEN)).astype(np.float32)
     among = moe_forward(paddle.to_tensor(x), moe, kernels).numpy()
     for row in (0, 77, 255):
@@ -75,14 +78,18 @@ def _all_free(llm: LLM) -> bool:
     return stats.num_free_blocks == stats.num_blocks and stats.num_running == 0 and stats.num_waiting == 0
 
 
-def test_moe_batched_and_preempted_runs_decode_what_one_at_a_time_runs_do(tiny_moe: str) -> None:
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+def test_moe_batched_and_preempted_runs_decode_what_one_at_a_time_runs_do(tiny_moe: str, precision: str) -> None:
     prompts = _prompts(8, seed=3)
-    with LLM(model=tiny_moe, cache={"num_blocks": 256, "enable_prefix_caching": False},
+    model = {"source": tiny_moe, "precision": precision}
+    with LLM(model=model, cache={"num_blocks": 256, "enable_prefix_caching": False},
              engine={"max_num_seqs": 1, "max_num_batched_tokens": 512}) as alone:
         reference = [alone.generate([p], GREEDY)[0].token_ids for p in prompts]
-    with LLM(model=tiny_moe, cache={"num_blocks": 14, "block_size": 16, "enable_prefix_caching": False},
+    with LLM(model=model, cache={"num_blocks": 14, "block_size": 16, "enable_prefix_caching": False},
              engine={"max_num_seqs": 8, "max_num_batched_tokens": 128}) as tight:
         results = tight.generate(prompts, GREEDY)
         assert [r.token_ids for r in results] == reference
+        if tight.engine.runner.kernels.chosen["moe_experts"].name == "cpp":   # the C++ op ran the experts
+            assert isinstance(tight.engine.runner.model.layers[1].moe.bound, ExpertOperands)
         assert tight.engine.resource_manager.stats().num_preemptions > 0
         assert _all_free(tight)
