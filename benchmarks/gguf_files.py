@@ -1,15 +1,16 @@
 """Write a random Llama as GGUF files that llama.cpp itself quantized (Q4_0, Q4_K_M...), for benchmarks.
 
 The model (hidden 1024, 8 layers, intermediate 2816, 16/4 heads of 64, vocabulary 32000: every
-matrix row a whole number of K-quant super-blocks) is written as a float32 GGUF in llama.cpp's
-naming, then each ``--types`` file is made from it by ``llama_model_quantize`` of the
-llama-cpp-python in ``--llamacpp-venv``: llama.cpp's own choice of types per tensor (Q4_K_M:
-Q4_K matrices, Q6_K for the head and half of the v / down projections). Weights are random:
-speed and memory only, no text quality.
+matrix row a whole number of K-quant super-blocks), or the Hugging Face folder ``--source`` (e.g.
+``benchmarks/moe_model.py``'s), is written as a float32 GGUF in llama.cpp's naming, then each
+``--types`` file is made from it by ``llama_model_quantize`` of the llama-cpp-python in
+``--llamacpp-venv``: llama.cpp's own choice of types per tensor (Q4_K_M: Q4_K matrices, Q6_K for
+the head and half of the v / down projections). Weights are random: speed and memory only, no
+text quality.
 
     python benchmarks/gguf_files.py /tmp/gguf-medium --llamacpp-venv /tmp/venv-llama --types Q4_0,Q4_K_M
-    python benchmarks/single_sequence.py --model /tmp/gguf-medium/Q4_K_M.gguf --llamacpp-venv /tmp/venv-llama \\
-        --fd 'keep={"model": {"quantized_weights": "keep"}}'
+    python benchmarks/single_sequence.py --model /tmp/gguf-medium/Q4_K_M.gguf --max-token-id 32000 \\
+        --llamacpp-venv /tmp/venv-llama --fd 'keep={"model": {"quantized_weights": "keep"}}'
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ def main() -> int:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--llamacpp-venv", type=Path, required=True)
     parser.add_argument("--types", default="Q4_0,Q4_K_M", help="llama.cpp file types (LLAMA_FTYPE_MOSTLY_*)")
+    parser.add_argument("--source", type=Path, help="a Hugging Face folder to convert instead of the random Llama")
     args = parser.parse_args()
     from fd_core.testing.tiny_model import make_tiny_checkpoint, write_tiny_gguf
 
-    hf = make_tiny_checkpoint(args.folder / "hf", CONFIG, seed=0)
+    hf = args.source or make_tiny_checkpoint(args.folder / "hf", CONFIG, seed=0)
     source = write_tiny_gguf(args.folder / "F32.gguf", hf)
     print(f"wrote {source}: {source.stat().st_size / 2**20:.0f} MiB")
     for kind in args.types.split(","):
