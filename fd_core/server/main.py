@@ -67,9 +67,13 @@ def serve(config: FdConfig) -> int:
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
-    """The server's listening TCP socket (IPv6 when ``host`` is an IPv6 address); raises OSError."""
+    """The server's listening TCP socket (IPv6 when ``host`` is an IPv6 address); raises OSError.
+
+    Made with protocol ``IPPROTO_TCP``, not 0: asyncio sets ``TCP_NODELAY`` only on accepted
+    sockets whose protocol says TCP, and without it every response after the first on a keep-alive
+    connection waited ~40 ms (Nagle's algorithm against the client's delayed ACK)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
