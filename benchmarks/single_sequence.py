@@ -78,7 +78,8 @@ def generate(n):
 def _run(python: str, setup: str, args: argparse.Namespace, tree: Path | None = None) -> dict:
     """One engine's timings, in a process of its own (imports from ``tree`` when given)."""
     script = textwrap.dedent(_TIMING).format(prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                             seed=args.seed, max_token_id=args.max_token_id, setup=textwrap.dedent(setup))
+                                             seed=args.seed, max_token_id=args.max_token_id,
+                                             setup=textwrap.dedent(setup))
     with tempfile.TemporaryDirectory(prefix="fd-single-") as scratch:
         env = dict(os.environ)
         if tree is not None:
