@@ -48,6 +48,7 @@ def main() -> int:
     args = parser.parse_args()
     from fd_core.testing.tiny_model import make_tiny_checkpoint, write_tiny_gguf
 
+    args.folder.mkdir(parents=True, exist_ok=True)
     hf = args.source or make_tiny_checkpoint(args.folder / "hf", CONFIG, seed=0)
     source = write_tiny_gguf(args.folder / "F32.gguf", hf)
     print(f"wrote {source}: {source.stat().st_size / 2**20:.0f} MiB")
