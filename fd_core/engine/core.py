@@ -145,6 +145,9 @@ class EngineCore:
         bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        bad = next((t for t in request.sampling_params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("stop_token_ids", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request; never blocks.

@@ -27,6 +27,16 @@ ENGINE_DEAD: Final = "engine_dead"             # the engine process died (the me
 SHUTTING_DOWN: Final = "server_shutting_down"  # SIGTERM: draining, or server.shutdown_timeout_s ran out
 
 
+class FieldConflict(ValueError):
+    """Raised by a request model's cross-field check: the value of ``param`` (a field of the model
+    that raises it) conflicts with another field's. The 400 names ``param``, where pydantic would
+    name no field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ApiError(Exception):
     """An error answered with an OpenAI error body; raise it from a route."""
 
@@ -77,6 +87,9 @@ def from_validation_errors(errors: list[ErrorDetails]) -> ApiError:
     """400 for a body pydantic rejected, naming the first bad field (malformed JSON included)."""
     first = errors[0]
     param = _field_path(first["loc"])
+    conflict = first.get("ctx", {}).get("error")
+    if isinstance(conflict, FieldConflict):   # a model's cross-field check: the field it names
+        param = f"{param}.{conflict.param}" if param else conflict.param
     if first["type"] == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     if first["type"] == "extra_forbidden":

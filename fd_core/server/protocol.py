@@ -26,6 +26,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from fd_core.request import MAX_PRIORITY, MIN_PRIORITY
+from fd_core.server.http_errors import FieldConflict
 
 #: Most choices (``n``) one request may ask for.
 MAX_N: Final = 128
@@ -88,7 +89,7 @@ class _SamplingFields(_Body):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldConflict("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     def stop_list(self) -> list[str]:
@@ -120,7 +121,7 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of ({self.best_of}) different from n ({self.n}) is not supported")
+            raise FieldConflict("best_of", f"best_of ({self.best_of}) different from n ({self.n}) is not supported")
         return self
 
 
@@ -134,6 +135,13 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise FieldConflict("content", f"a {self.role} message needs content (null is only allowed in an "
+                                "assistant message)")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -164,5 +172,5 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise FieldConflict("top_logprobs", "top_logprobs requires logprobs to be true")
         return self

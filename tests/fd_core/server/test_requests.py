@@ -6,7 +6,7 @@ import asyncio
 import json
 import re
 import time
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import pytest
@@ -46,13 +46,17 @@ def post(url: str, path: str, body: Any, **kwargs: Any) -> httpx.Response:
                       timeout=60, **kwargs)
 
 
-def assert_error(response: httpx.Response, status: int, *words: str, param: str | None = None) -> None:
+#: ``assert_error``'s default: any ``param``, null included.
+ANY_PARAM: Final = object()
+
+
+def assert_error(response: httpx.Response, status: int, *words: str, param: object = ANY_PARAM) -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     for word in words:
         assert word in error["message"], error
-    if param is not None:
+    if param is not ANY_PARAM:
         assert error["param"] == param, error
 
 
@@ -95,11 +99,19 @@ def assert_still_serving(url: str) -> None:
     ("/v1/completions", {"prompt": "hi", "top_k": 2**70}, 400, ["top_k"], "top_k"),
     ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, ["n"], "n"),
     ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', 400, ["temperature", "finite"], "temperature"),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, ["stream"], None),
+    # cross-field checks name the field whose value conflicts
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, ["stream"],
+     "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "n": 1, "best_of": 2}, 400, ["best_of (2)", "n (1)"], "best_of"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [3, 99999]}, 400, ["99999", "vocabulary"],
+     "stop_token_ids"),
     ("/v1/chat/completions", {"messages": []}, 400, ["messages"], "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, ["role"], "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
-     ["top_logprobs requires logprobs"], None),
+     ["top_logprobs requires logprobs"], "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"},
+                                           {"role": "user", "content": None}]},
+     400, ["user message needs content"], "messages.1.content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400,
      ["unknown field", "tools"], "tools"),
 ])
