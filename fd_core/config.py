@@ -256,6 +256,11 @@ class ServerSection(_Section):
         30.0, ge=0, description="How long SIGTERM waits for in-flight requests; those still running then get 503 "
                                 "(a stream: an error event, then [DONE]).")
     engine_start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for the engine to load.")
+    special_tokens_in_messages: Literal["text", "special"] = Field(
+        "text", description=(
+            "Chat message text that spells one of the model's special tokens (`<|im_end|>`): `text` tokenizes "
+            "it as the characters it is, so a user cannot close their turn or forge a system turn; `special` "
+            "reads it as the control token."))
     exit_after_engine_death_s: float = Field(
         2.0, ge=0, description="After the engine process dies, fd-serve answers 503 (/health: 'dead' and how "
                                "it died) for this long, then exits with code 3 so a supervisor restarts it.")

@@ -87,9 +87,12 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              priority: int | Sequence[int] = 0, use_tqdm: bool | None = None) -> list[CompletionResult]:
-        """Apply the model's chat template to each conversation, then :meth:`generate`."""
+        """Apply the model's chat template to each conversation, then :meth:`generate`; text that
+        spells a special token inside a message stays text (``Tokenizer.encode_chat``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
+        tokenizer = self.tokenizer
+        prompts = [tokenizer.encode_chat(conv, tokenizer.apply_chat_template(conv, add_generation_prompt=True),
+                                         add_generation_prompt=True) for conv in conversations]
         return self.generate(prompts, sampling_params, priority=priority, use_tqdm=use_tqdm)
 
     def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int) -> Request:

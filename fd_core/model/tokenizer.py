@@ -9,7 +9,9 @@ Hugging Face templates expect (``raise_exception``, ``strftime_now``, ``bos_toke
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -25,6 +27,11 @@ _TOKEN_TYPE_NORMAL: Final = 1
 _TOKEN_TYPE_UNKNOWN: Final = 2
 _TOKEN_TYPE_CONTROL: Final = 3
 _TOKEN_TYPE_USER_DEFINED: Final = 4
+
+#: What stands in for message ``i``'s content while :meth:`Tokenizer.encode_chat` finds where the
+#: template put it (private-use code points: no text a template writes holds them).
+_CONTENT_MARK: Final = "\ue000{}\ue001"
+_CONTENT_MARKS: Final = re.compile("\ue000(\\d+)\ue001")
 
 #: SentencePiece's spelling of a space ("▁", U+2581) inside vocabulary entries.
 _SPM_SPACE: Final = "\u2581"
@@ -236,6 +243,52 @@ class Tokenizer:
         if token_id is None:
             raise ModelLoadError(f"{self.source}: special token {token!r} is not in the vocabulary")
         return token_id
+
+    def encode_chat(self, messages: list[dict[str, Any]], text: str, *, content_as_text: bool = True,
+                    **template_kwargs: Any) -> list[int]:
+        """Token ids of ``text``, the rendering of ``messages`` by :meth:`apply_chat_template` with
+        ``template_kwargs``, where message content that spells a special token (``<|im_end|>``)
+        stays text: the characters, not the control token, so a user cannot end their turn or forge
+        a ``system`` one. ``content_as_text=False``: the whole text as :meth:`encode` reads it.
+
+        Text without such spellings is encoded whole (the same ids as :meth:`encode`). Otherwise
+        the template's parts and the contents are encoded apart (a content as plain text) and joined,
+        so tokens do not cross a content's edges. A template that changes content (trims it, say)
+        cannot be split so: such a request is refused (RequestError on ``messages``).
+        """
+        if not content_as_text or not any(self._spells_special(m.get("content")) for m in messages):
+            return self.encode(text)
+        marked = [{**m, "content": _CONTENT_MARK.format(i)} if isinstance(m.get("content"), str) else m
+                  for i, m in enumerate(messages)]
+        pieces = _CONTENT_MARKS.split(self.apply_chat_template(marked, **template_kwargs))
+        # split's even pieces are the template's text, the odd ones the indices of the contents between
+        parts = [(piece, self._backend) if i % 2 == 0 else (messages[int(piece)]["content"], self._plain_text_backend)
+                 for i, piece in enumerate(pieces)]
+        if "".join(part for part, _ in parts) != text:
+            raise RequestError("messages", "a message spells a special token of the model and its chat template "
+                               "changes message content, so that text cannot be kept apart from the template's "
+                               "special tokens; remove it, or set server.special_tokens_in_messages = \"special\"")
+        import tokenizers
+
+        encodings = [backend.encode_batch([part], add_special_tokens=False)[0] for part, backend in parts if part]
+        merged = tokenizers.Encoding.merge(encodings, growing_offsets=True)
+        return self._backend.post_process(merged, add_special_tokens=True).ids
+
+    def _spells_special(self, content: Any) -> bool:
+        return isinstance(content, str) and any(token in content for token in self._special_tokens)
+
+    @functools.cached_property
+    def _special_tokens(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self._backend.get_added_tokens_decoder().values() if t.special)
+
+    @functools.cached_property
+    def _plain_text_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that reads special-token spellings as text."""
+        import tokenizers
+
+        backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     # -- chat -------------------------------------------------------------------------------
     def apply_chat_template(

@@ -79,20 +79,27 @@ def completion_prompts(body: CompletionRequest, tokenizer: Any, limits: Limits) 
             if isinstance(item, str) else Prompt(list(item), None) for i, item in enumerate(items)]
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Prompt:
-    """Render the messages with the model's chat template (RequestError on ``messages``)."""
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Any, limits: Limits, *, content_as_text: bool) -> Prompt:
+    """Render the messages with the model's chat template (RequestError on ``messages``);
+    ``content_as_text``: special-token spellings in the messages stay text (``Tokenizer.encode_chat``)."""
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-    return _encode(text, tokenizer, limits, "messages")
+    _check_size(text, limits, "messages")
+    return Prompt(tokenizer.encode_chat(messages, text, content_as_text=content_as_text,
+                                        add_generation_prompt=body.add_generation_prompt), text)
 
 
 def _encode(text: str, tokenizer: Any, limits: Limits, field: str) -> Prompt:
+    _check_size(text, limits, field)
+    return Prompt(tokenizer.encode(text), text)
+
+
+def _check_size(text: str, limits: Limits, field: str) -> None:
     size = len(text.encode())
     if size > limits.max_prompt_bytes:
         raise RequestError(field, (
             f"{field} is {size} bytes of text, more than any prompt of at most max_model_len "
             f"({limits.max_model_len}) tokens can hold ({limits.max_prompt_bytes} bytes); shorten it"))
-    return Prompt(tokenizer.encode(text), text)
 
 
 def build_requests(body: _SamplingFields, prompts: list[Prompt], *, max_tokens: int | None,

@@ -178,7 +178,8 @@ def _prepare_chat(raw: bytes, state: ServerState) -> _Job:
     field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     limits = _limits(state)
-    prompt = chat_prompt(body, state.tokenizer, limits)
+    prompt = chat_prompt(body, state.tokenizer, limits,
+                         content_as_text=state.config.server.special_tokens_in_messages == "text")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     requests = build_requests(body, [prompt], max_tokens=max_tokens, max_tokens_field=field, logprobs=logprobs,
