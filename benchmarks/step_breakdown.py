@@ -96,7 +96,8 @@ def instrument(llm: Any, timers: Timers) -> None:
 
     class TimedDecoderLayer:   # the fused layer keeps its bindings, its calls timed
         bind = staticmethod(layer_op.fn.bind)
-        if callable(layer_op.fn):   # "composed" is never called
+        if callable(layer_op.fn):   # "composed" is never called, nor joins
+            join = staticmethod(layer_op.fn.join)
             __call__ = staticmethod(timers.wrap(f"decoder_layer ({layer_op.name})", layer_op.fn.__call__))
 
     class TimedFunctional:

@@ -294,24 +294,34 @@ class _Quantized:
 @dataclass(frozen=True, slots=True)
 class FusedBinding:
     """What :meth:`FusedDecoderLayer.bind` keeps for one layer, or :meth:`FusedDecoderLayer.join`
-    for a run of them: the op's weight tensors and codes (per layer, in layer order), the layers'
-    RMSNorm weights (``norms``: input, post-attention, per layer; empty before ``join``), and
+    for a run of them: ``fd_decoder_layers``' operands (per layer, in layer order; see
+    ``csrc/decoder_layer.cc`` for their order), the layers' RMSNorm weights (``norms``: input,
+    post-attention, then q and k where the layer has q/k norms; before ``join`` only the latter), and
     ``max_tokens``, the step size from which the layers run op by op instead."""
 
-    tensors: list[Any]
-    bits: list[int]
+    tensors: list[Any]        # qkv, o, then gate_up, down or the router, correction and experts' linears
+    bits: list[int]           # per layer four: qkv, o, gate_up, down (0 for a MoE layer's last two)
     widths: list[int]
     round_inputs: list[int]   # per linear: its input rounded to its weights' kind (bfloat16 or int8)
     max_tokens: int
     norms: list[Any] = field(default_factory=list)
+    qk_norms: list[int] = field(default_factory=list)   # per layer: 1 where it has q/k norms
+    top_k: list[int] = field(default_factory=list)      # per layer: its experts' top_k, 0 for a dense MLP
+    renormalize: list[int] = field(default_factory=list)
+    norm_min: list[float] = field(default_factory=list)
+    expert_kinds: list[int] = field(default_factory=list)    # the MoE layers' expert linears, in order
+    expert_widths: list[int] = field(default_factory=list)
+    expert_round_inputs: list[int] = field(default_factory=list)
 
 
 class FusedDecoderLayer:
-    """The C++ ``decoder_layer`` (``csrc/decoder_layer.cc``): RMSNorm, q/k/v, RoPE + KV write,
-    attention, o, RMSNorm, gate/up, SwiGLU and down of a run of consecutive layers (every layer of
-    the model, normally) in one op, through the same kernels as the op-by-op path (same results, no
-    per-op or per-layer dispatch). Binds layers without a q/k/v bias whose four weights are
-    block-quantized or bfloat16, for steps of fewer than the binding's ``max_tokens`` tokens.
+    """The C++ ``decoder_layer`` (``csrc/decoder_layer.cc``): RMSNorm, q/k/v, q/k norms (Qwen3),
+    RoPE + KV write, attention, o, RMSNorm, and gate/up, SwiGLU and down or the routed experts
+    (``csrc/moe_experts.cc``) of a run of consecutive layers (every layer of the model, normally)
+    in one op, through the same kernels as the op-by-op path (same results, no per-op or per-layer
+    dispatch). Binds layers without a q/k/v bias whose weights (experts' included) are
+    block-quantized or bfloat16 and whose experts :class:`FusedExperts` bound, for steps of fewer
+    than the binding's ``max_tokens`` tokens.
     Called inside this op, MKL gave results that varied in the last bits from run to run (float32
     packed weights; seen on an AMD EPYC, one thread included; op by op they are reproducible, and
     MKL's strict reproducibility mode removes it), so MKL stays out of it."""
@@ -334,22 +344,45 @@ class FusedDecoderLayer:
         self._threads = _threads()
         self._bf16_products = bf16_products
 
-    def bind(self, linears: Sequence[Any], qkv_bias: Any) -> FusedBinding | None:
-        """The op's operands for these four linears, or ``None`` (see ``fd_kernels.decoder_layer``)."""
-        if qkv_bias is not None or not all(isinstance(prepared, (_Quantized, _Bf16)) for prepared in linears):
+    def bind(self, linears: Sequence[Any], qkv_bias: Any, qk_norms: tuple[Any, Any] | None = None,
+             experts: Sequence[tuple[Any, Any]] | None = None, bound_experts: Any = None) -> FusedBinding | None:
+        """The op's operands for a layer, or ``None`` (see ``fd_kernels.decoder_layer``): ``linears``
+        its qkv, o, gate_up and down (the last two None in a MoE layer); ``qk_norms`` its q and k
+        heads' RMSNorm weights; a MoE layer's ``experts`` (gate_up, down) per expert as prepared and
+        ``bound_experts`` as :meth:`FusedExperts.bind` bound them."""
+        moe = experts is not None
+        dense = list(linears[:2]) if moe else list(linears)
+        expert_linears = [prepared for pair in experts for prepared in pair] if moe else []
+        if (qkv_bias is not None or (moe and not isinstance(bound_experts, ExpertOperands))
+                or not all(isinstance(prepared, (_Quantized, _Bf16)) for prepared in dense + expert_linears)):
             return None
-        rounded = all(isinstance(prepared, _Bf16) and prepared.round_inputs for prepared in linears)
-        return FusedBinding([t for prepared in linears for t in prepared.operands()],
-                            [prepared.bits for prepared in linears], [prepared.width for prepared in linears],
-                            [int(prepared.round_inputs) for prepared in linears],
-                            self.bf16_products_max_tokens if self._bf16_products and rounded else self.max_tokens)
+        rounded = all(isinstance(prepared, _Bf16) and prepared.round_inputs for prepared in dense + expert_linears)
+        tensors = [t for prepared in dense for t in prepared.operands()]
+        if moe:
+            tensors += [bound_experts.router, bound_experts.correction, *bound_experts.tensors]
+        unused = [0, 0] if moe else []   # a MoE layer's gate_up and down codes
+        return FusedBinding(
+            tensors, [prepared.bits for prepared in dense] + unused, [prepared.width for prepared in dense] + unused,
+            [int(prepared.round_inputs) for prepared in dense] + unused,
+            self.bf16_products_max_tokens if self._bf16_products and rounded else self.max_tokens,
+            norms=list(qk_norms or ()), qk_norms=[int(qk_norms is not None)], top_k=[bound_experts.top_k if moe else 0],
+            renormalize=[int(moe and bound_experts.renormalize)], norm_min=[bound_experts.norm_min if moe else 0.0],
+            expert_kinds=list(bound_experts.kinds) if moe else [],
+            expert_widths=list(bound_experts.widths) if moe else [],
+            expert_round_inputs=list(bound_experts.round_inputs) if moe else [])
 
     def join(self, bindings: Sequence[FusedBinding], norms: Sequence[tuple[Any, Any]]) -> FusedBinding:
         """One binding for consecutive layers (``bindings`` from :meth:`bind`; ``norms``: each
         layer's input and post-attention RMSNorm weights), run by one call."""
-        return FusedBinding([t for b in bindings for t in b.tensors], [n for b in bindings for n in b.bits],
-                            [n for b in bindings for n in b.widths], [n for b in bindings for n in b.round_inputs],
-                            min(b.max_tokens for b in bindings), [w for pair in norms for w in pair])
+        def joined(name: str) -> list[Any]:
+            return [value for b in bindings for value in getattr(b, name)]
+
+        layer_norms = [w for pair, b in zip(norms, bindings, strict=True) for w in (*pair, *b.norms)]
+        return FusedBinding(joined("tensors"), joined("bits"), joined("widths"), joined("round_inputs"),
+                            min(b.max_tokens for b in bindings), layer_norms,
+                            joined("qk_norms"), joined("top_k"),
+                            joined("renormalize"), joined("norm_min"), joined("expert_kinds"),
+                            joined("expert_widths"), joined("expert_round_inputs"))
 
     def __call__(self, run: FusedBinding, x: Any, residual: Any, k_caches: Sequence[Any], v_caches: Sequence[Any],
                  attn: Any, cos: Any, sin: Any, num_heads: int, head_dim: int, eps: float,
@@ -359,7 +392,9 @@ class FusedDecoderLayer:
         out, summed = self._op(x, x if residual is None else residual, attn.positions_tensor, cos, sin,
                                attn.slots_tensor, attn.row_tables, attn.row_starts, attn.row_lens, k_caches,
                                v_caches, run.norms, run.tensors, run.bits, run.widths, num_heads, head_dim, eps,
-                               residual is not None, run.round_inputs, round_queries, self._threads)[:2]
+                               residual is not None, run.round_inputs, round_queries, self._threads, run.qk_norms,
+                               run.top_k, run.renormalize, run.norm_min, run.expert_kinds, run.expert_widths,
+                               run.expert_round_inputs)[:2]
         return out, summed
 
 

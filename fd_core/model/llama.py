@@ -187,10 +187,11 @@ class LlamaForCausalLM:
             o_bias = tensor(weights[f"{p}self_attn.o_proj.bias"] * out_scale) if arch.output_bias else None
             window = arch.sliding_window if i in arch.sliding_layers else None
             rope = "none" if i in arch.no_rope_layers else "local" if window and arch.local_rope_theta else "global"
-            # the fused layer kernel has no q/k norms, o_proj bias, other rotation, window, experts, sandwich
-            # norms or GeGLU: such layers run op by op
-            fusable = (qk_norms is None and o_bias is None and rope == "global" and window is None
-                       and i not in arch.moe_layers and not arch.sandwich_norms and arch.hidden_act == "silu")
+            # the fused layer kernel has no o_proj bias, other rotation, window, shared experts, sandwich
+            # norms or GeGLU: such layers run op by op (q/k norms and routed experts it runs)
+            fusable = (o_bias is None and rope == "global" and window is None
+                       and not (i in arch.moe_layers and arch.moe.shared_intermediate_size)
+                       and not arch.sandwich_norms and arch.hidden_act == "silu")
             if i in arch.moe_layers:   # experts instead of the dense MLP
                 moe, gate_up, down = prepare_moe(arch.moe, f"{p}mlp.", weights, tensor, linear,
                                                    kernels.moe_experts.bind), None, None
@@ -209,7 +210,9 @@ class LlamaForCausalLM:
                                       else f"{p}post_attention_layernorm.weight")),
                 mlp_out_norm=tensor(norm(f"{p}post_feedforward_layernorm.weight")) if sandwich else None,
                 gate_up=gate_up, down=down, moe=moe, window=window, rope=rope,
-                fused=kernels.decoder_layer.bind([qkv, o, gate_up, down], qkv_bias) if fusable else None,
+                fused=(kernels.decoder_layer.bind([qkv, o, gate_up, down], qkv_bias, qk_norms,
+                                                  *((moe.experts, moe.bound) if moe is not None else ()))
+                       if fusable else None),
             ))
         self.runs = layer_runs(self.layers, kernels.decoder_layer)
         self.norm = tensor(norm("model.norm.weight") / np.float32(arch.logits_scaling))

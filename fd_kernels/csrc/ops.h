@@ -30,3 +30,8 @@ std::vector<paddle::Tensor> Bf16Linear(const paddle::Tensor& x, const paddle::Te
                                        const std::string& mkl_path, bool round_inputs);
 std::vector<paddle::Tensor> Bf16Mlp(const paddle::Tensor& h, const paddle::Tensor& gate_up, const paddle::Tensor& down,
                                     int m, int n, int num_threads, const std::string& mkl_path);
+std::vector<paddle::Tensor> MoeExperts(const paddle::Tensor& h, const paddle::Tensor& router,
+                                       const paddle::Tensor& correction, const std::vector<paddle::Tensor>& experts,
+                                       int top_k, bool renormalize, float norm_min, const std::vector<int>& kinds,
+                                       const std::vector<int>& widths, const std::vector<int>& round_inputs,
+                                       int num_threads, const std::string& mkl_path);

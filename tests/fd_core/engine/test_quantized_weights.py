@@ -15,8 +15,9 @@ from fd_core.engine.llm import LLM
 from fd_core.model.kernels import select_kernels
 from fd_core.model.llama import LlamaForCausalLM, layer_runs
 from fd_core.request import SamplingParams
-from fd_core.testing.tiny_model import make_tiny_llama, write_tiny_gguf
+from fd_core.testing.tiny_model import make_tiny_checkpoint, make_tiny_llama, write_tiny_gguf
 from fd_kernels.native import FusedDecoderLayer
+from fd_plugins.models.llama import LlamaFamily
 from fd_plugins.platforms.cpu import CpuPlatform
 
 PROMPTS = [[5, 6, 7, 8] * 10, [9, 10, 11], list(range(40, 140))]
@@ -139,6 +140,63 @@ def test_runs_of_fused_and_op_by_op_layers_equal_the_op_by_op_model_exactly(tiny
     assert [(run.start, run.stop, run.fused is not None) for run in model.runs] == [(0, 1, 0 in fused_layers),
                                                                                    (1, 2, 1 in fused_layers)]
     assert _answers(llm) == op_by_op
+    assert _all_blocks_free(llm)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe_renormalized"])
+def tiny_qwen3(request, tmp_path_factory) -> tuple[str, str, str]:
+    """The plugin's tiny Qwen3 (q/k norms) or Qwen3-MoE (q/k norms; layer 0 dense, layer 1 experts),
+    a vocabulary of 512 for the shared tokenizer: (its name, its folder, a folder for its GGUF: for
+    Qwen3-MoE experts in every layer, as llama.cpp's files hold them)."""
+    config = {**LlamaFamily().tiny_hf_configs()[request.param], "vocab_size": 512}
+    folder = str(make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), config, seed=3))
+    if "decoder_sparse_step" not in config:
+        return request.param, folder, folder
+    every = {**config, "decoder_sparse_step": 1}
+    return request.param, folder, str(make_tiny_checkpoint(tmp_path_factory.mktemp("every"), every, seed=3))
+
+
+# Q8_0 blocks from a GGUF (int8 inputs too), or bfloat16 panels with rounded inputs (the experts'
+# MLP as one fd_bf16_mlp pass); 93 prompt tokens: the prefill step runs fused too, 143 not
+@pytest.mark.parametrize("weights", ["q8_0", "q8_0-int8-inputs", "bfloat16-inputs"])
+@pytest.mark.parametrize("prompts", [PROMPTS[:2] + [list(range(40, 90))], PROMPTS],
+                         ids=["fused-prefill", "big-prefill"])
+def test_qk_norm_and_moe_layers_run_fused_and_equal_the_op_by_op_layer_exactly(tiny_qwen3, tmp_path, weights: str,
+                                                                                prompts: list[list[int]]) -> None:
+    _needs_cpp_kernels()
+    name, folder, gguf_folder = tiny_qwen3
+    gguf = weights.startswith("q8_0")
+    if gguf:
+        source = str(write_tiny_gguf(tmp_path / "model.gguf", gguf_folder, tensor_type="Q8_0"))
+        inputs = "int8" if weights == "q8_0-int8-inputs" else "float32"
+        llm = _llm(source, "keep", linear_inputs=inputs, enable_prefix_caching=False)
+    else:
+        llm = _llm(folder, "dequantize", "bfloat16", "bfloat16", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert all(layer.qk_norms is not None for layer in model.layers)
+    moe = [False, "moe" in name] if not gguf or folder == gguf_folder else [True, True]
+    assert [layer.moe is not None for layer in model.layers] == moe
+    assert [(run.start, run.stop, run.fused is not None) for run in model.runs] == [(0, 2, True)]
+    assert model.runs[0].fused.qk_norms == [1, 1]
+    assert model.runs[0].fused.top_k == [3 * m for m in moe]
+    fused = _answers(llm, prompts)
+    assert _answers(llm, prompts) == fused   # reproducible
+    _fuse_only(model, ())
+    assert _answers(llm, prompts) == fused   # the same kernels with the same arguments: bit-identical
+    assert _all_blocks_free(llm)
+
+
+def test_layers_with_shared_experts_run_op_by_op(tmp_path) -> None:
+    """ERNIE's shared experts stay outside the fused op: its MoE layers (1 and 2) run op by op, layer 0 fused."""
+    _needs_cpp_kernels()
+    config = {**LlamaFamily().tiny_hf_configs()["ernie4_5_moe"], "vocab_size": 512}
+    folder = make_tiny_checkpoint(tmp_path / "ernie", config, seed=3)
+    llm = _llm(str(folder), "dequantize", "bfloat16", "bfloat16", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert [(run.start, run.stop, run.fused is not None) for run in model.runs] == [(0, 1, True), (1, 3, False)]
+    fused = _answers(llm)
+    _fuse_only(model, ())
+    assert _answers(llm) == fused
     assert _all_blocks_free(llm)
 
 
