@@ -106,7 +106,7 @@ class GlobalScheduler(Scheduler):
         self._num_instances = 1
         self._degraded: str | None = None
         self._counters = dict.fromkeys(("served_for_peers", "taken_by_peers", "leases_expired", "reserved",
-                                        "degraded_episodes"), 0)
+                                        "degraded_episodes", "undecodable"), 0)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._heartbeat_loop, name="fd-global-heartbeat", daemon=True),
                          threading.Thread(target=self._result_loop, name="fd-global-results", daemon=True)]
@@ -194,8 +194,11 @@ class GlobalScheduler(Scheduler):
                         self._counters["served_for_peers"] += 1
                 elif request_id in self._originated and self._originated[request_id].local:
                     self._deliver(output)
-        if not outgoing:
-            return
+        if outgoing:
+            self._push_or_lose(outgoing)
+
+    def _push_or_lose(self, outgoing: list[Outgoing]) -> None:
+        """Route outputs of requests held for peers to their origins; cancel the fenced ones."""
         try:
             fenced = self._store.push(outgoing)
         except RedisLost as exc:
@@ -260,12 +263,20 @@ class GlobalScheduler(Scheduler):
         except RedisLost as exc:
             self._lose_redis(str(exc))
             return taken
+        undecodable: list[Outgoing] = []
         with self._lock:
-            taken += filter(None, (self._admit(row) for row in rows))
+            for row in rows:
+                request = self._admit(row, undecodable)
+                if request is not None:
+                    taken.append(request)
+        if undecodable:
+            self._push_or_lose(undecodable)
         return taken
 
-    def _admit(self, row: Taken) -> Request | None:
-        """The request a taken row stands for (lock held); None for an own request already answered."""
+    def _admit(self, row: Taken, undecodable: list[Outgoing]) -> Request | None:
+        """The request a taken row stands for (lock held); None for an own request already answered,
+        or for a peer's whose payload does not decode: its error answer goes to ``undecodable``, for
+        the origin's client, and the engine never sees it."""
         if row.reserves:
             self._counters["reserved"] += 1
         if row.origin == self.instance_id:   # continue from what this instance's clients already got
@@ -274,7 +285,18 @@ class GlobalScheduler(Scheduler):
                 return None
             own.local = True
             return _continuation(own.request, own.delivered)
-        request = wire.decode_request(wire.unpack(row.payload))
+        try:
+            request = wire.decode_request(wire.unpack(row.payload))
+        except Exception as exc:   # bytes from Redis: another version's, or damaged
+            log.error("request %s from %s in Redis does not decode (%s: %s); answering it with an error",
+                      row.request_id, row.origin, type(exc).__name__, exc)
+            self._counters["undecodable"] += 1
+            error = RequestOutput(row.request_id, finished=True, finish_reason=FinishReason.ERROR,
+                                  error=f"pool member {self.instance_id!r} could not decode this request as stored "
+                                        f"in Redis ({type(exc).__name__}: {exc}); is every member the same "
+                                        "fd-engine version?")
+            undecodable.append(Outgoing(row.request_id, row.origin, wire.pack(wire.encode_output(error)), True, []))
+            return None
         self._held[request.request_id] = row.origin
         return _continuation(request, row.delivered)
 
@@ -393,7 +415,13 @@ class GlobalScheduler(Scheduler):
                 continue
             with self._lock:
                 for data in packed:
-                    output = wire.decode_output(wire.unpack(data))
+                    try:
+                        output = wire.decode_output(wire.unpack(data))
+                    except Exception as exc:   # bytes from Redis: another version's, or damaged
+                        log.error("an output routed here in Redis does not decode (%s: %s, %d bytes); dropped",
+                                  type(exc).__name__, exc, len(data))
+                        self._counters["undecodable"] += 1
+                        continue
                     record = self._originated.get(output.request_id)
                     if record is None or record.local:
                         continue   # answered already, or served here now

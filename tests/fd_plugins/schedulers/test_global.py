@@ -184,3 +184,27 @@ def test_every_setting_is_in_the_multi_instance_page() -> None:
     page = (Path(__file__).resolve().parents[3] / "docs" / "multi-instance.md").read_text()
     missing = [name for name in GlobalSchedulerSettings.model_fields if f"| `{name}` |" not in page]
     assert not missing, f"docs/multi-instance.md lacks the settings {missing}"
+
+
+def test_undecodable_entries_fail_only_their_request_and_stop_no_thread(pool, redis_server) -> None:
+    """A request payload that does not decode is answered with an error naming the member that
+    took it; the other requests of the same take reach the engine. An undecodable output routed to
+    an origin is dropped, and its result thread goes on delivering."""
+    import redis
+
+    a, b = pool("a"), pool("b")
+    for request_id in ("good", "bad", "also-good"):
+        a.put_request(_request(request_id))
+    client = redis.Redis.from_url(redis_server.url)
+    client.hset(f"{a._store.prefix}:r:bad", "req", b"\xc1 not msgpack")
+    client.rpush(f"{a._store.prefix}:out:a", b"\xc1 not msgpack either")
+    stolen = _take(b, 2)
+    assert sorted(r.request_id for r in stolen) == ["also-good", "good"]
+    failed = _results_until(a, lambda got: any(o.request_id == "bad" for o in got))
+    (error,) = [o for o in failed if o.request_id == "bad"]
+    assert error.finished and error.finish_reason == FinishReason.ERROR and "'b' could not decode" in error.error
+    for request in stolen:   # a's result thread survived the bad output: later outputs still arrive
+        b.put_results([_output(request, 7, finished=True)])
+    done = _results_until(a, lambda got: sum(o.finished for o in got) == 2)
+    assert sorted(o.request_id for o in done if o.finished) == ["also-good", "good"]
+    assert a.stats()["undecodable"] == 1 and b.stats()["undecodable"] == 1
