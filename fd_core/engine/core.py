@@ -290,6 +290,10 @@ class EngineCore:
                                       f"handed out request {request.request_id!r} a second time")
                 continue
             self._in_engine[request.request_id] = request
+            unservable = self._unservable(request)
+            if unservable is not None:
+                refused.append(unservable)
+                continue
             try:
                 self.token_processor.add_request(request)
                 if not self.handoff.admit(request):
@@ -300,6 +304,18 @@ class EngineCore:
                 continue
             refused += self._tell_added(request)
         self._route(self._end(refused))
+
+    def _unservable(self, request: Request) -> _Ending | None:
+        """The ending of a request this instance can never serve, or None. Requests from the front
+        door were validated there; those a pool scheduler took from a peer or a decode instance sent
+        were validated where they came from, against that instance's limits (a larger KV pool or
+        max_model_len, another vocabulary), so each is checked here too: one that cannot fit would
+        otherwise wait for room forever, and an id outside the vocabulary fails a whole step."""
+        try:
+            self.validate(request)
+        except RequestError as exc:
+            return request, FinishReason.ERROR, f"this instance cannot serve the request ({exc.field}): {exc}", None
+        return None
 
     def _tell_added(self, request: Request) -> list[_Ending]:
         """``fd_request_added`` for an admitted request: the ending of a request a plugin refused, or none."""
@@ -344,6 +360,10 @@ class EngineCore:
         for request in events.new_requests:
             self._unrouted.add(request.request_id)
             self._in_engine[request.request_id] = request
+            unservable = self._unservable(request)
+            if unservable is not None:
+                refused.append(unservable)
+                continue
             self.resource_manager.add_request(request)
             refused += self._tell_added(request)
         outputs = self._end(refused + [(request, reason, error, None) for request, reason, error in events.ends])

@@ -52,3 +52,27 @@ def test_a_continuation_gives_the_rest_of_an_uninterrupted_run(tiny_model_dir, m
     assert ref[:cut] + cont == ref and cont_reason == "stop"
     assert "".join(ref_texts[:cut] + cont_texts) == "".join(ref_texts)
     assert engine.resource_manager.stats().num_free_blocks == engine.limits.num_blocks
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "field"), [
+    ([5, 99999, 7], 4, "prompt"),        # an id outside this model's vocabulary
+    (PROMPT, 64 * 16, "max_tokens"),     # more KV blocks than this instance's pool holds
+])
+def test_a_request_from_elsewhere_that_cannot_be_served_here_ends_alone(tiny_model_dir, prompt, max_tokens,
+                                                                        field) -> None:
+    """A request a scheduler hands out without the front door's checks (a pool member's take from a
+    peer with other limits) ends with an error naming the field; the others of the step run on."""
+    engine = _engine(tiny_model_dir, "v1")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.scheduler.put_request(Request("foreign", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    engine.add_request(Request("good", PROMPT, params))
+    finals = {}
+    for _ in range(50):
+        engine.step()
+        finals |= {o.request_id: o for o in engine.get_results(timeout=0) if o.finished}
+        if len(finals) == 2:
+            break
+    assert finals["foreign"].finish_reason.value == "error"
+    assert f"cannot serve the request ({field})" in finals["foreign"].error
+    assert finals["good"].finish_reason.value == "length" and finals["good"].num_output_tokens == 4
+    assert engine.resource_manager.stats().num_free_blocks == engine.limits.num_blocks
