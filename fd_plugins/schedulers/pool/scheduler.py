@@ -87,10 +87,14 @@ class GlobalScheduler(Scheduler):
                                 socket_timeout_s=settings.socket_timeout_s, result_block_s=RESULT_BLOCK_S)
         try:
             self._store.check()
+            self._claim_instance_id()
             self._store.heartbeat(lease_s=settings.lease_s, held={})
         except RedisLost as exc:
             self._store.close()
             raise ConfigError("scheduler.options.url", str(exc)) from None
+        except ConfigError:
+            self._store.close()
+            raise
         self._decisions = GuardedHooks(hooks)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -113,6 +117,23 @@ class GlobalScheduler(Scheduler):
         for thread in self._threads:
             thread.start()
         log.info("joined the pool %r at %s as %s", settings.topic, settings.url, self.instance_id)
+
+    def _claim_instance_id(self) -> None:
+        """Make this member the only live one of its instance id, or raise ConfigError. A claim
+        left by a dead member (a restart within lease_s) runs out and is taken; one a live member
+        renews means two members were given one id, which would take each other's requests as
+        their own and drop them."""
+        settings = self.settings
+        deadline = time.monotonic() + settings.lease_s + 2 * settings.heartbeat_s
+        last_left: int | None = None
+        while (left := self._store.claim(lease_s=settings.lease_s)) is not None:
+            if (last_left is not None and left > last_left) or time.monotonic() > deadline:
+                raise ConfigError("scheduler.options.instance_id", (
+                    f"instance id {self.instance_id!r} belongs to another live member of the pool {settings.topic!r} "
+                    "at " + settings.url + "; give each member its own id, or leave it unset (each data-parallel "
+                    "rank is a member too)"))
+            last_left = left
+            time.sleep(min(settings.heartbeat_s / 2, left / 1000 + 0.01))
 
     # --- origin side ----------------------------------------------------------------------------
 

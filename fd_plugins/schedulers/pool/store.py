@@ -2,7 +2,8 @@
 
 Keys of a pool (``P`` = ``fd:{topic}``; the braces keep a pool's keys in one Redis Cluster slot)::
 
-    P:alive:<instance>   string, expires after lease_s     the instance is alive while it exists
+    P:alive:<instance>   string, expires after lease_s     the instance is alive while it exists; its value
+                                                           is the member's token (one process: see claim)
     P:inst               zset instance -> last heartbeat   members of the pool (to find dead ones)
     P:load               zset instance -> queued requests  where peers look for work (as of its heartbeat)
     P:q:<instance>       list of request ids               the instance's own queue (it originated them)
@@ -25,6 +26,7 @@ so instances on hosts whose clocks differ still agree on every deadline.
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -94,14 +96,26 @@ end
 return fenced
 """
 
+# Claim the instance id for this member (token): -1 when claimed (free, or already its own), else
+# the milliseconds left on another member's claim.
+_CLAIM = """
+local key, token, lease_ms = ARGV[1] .. ':alive:' .. ARGV[2], ARGV[3], tonumber(ARGV[4])
+local current = redis.call('GET', key)
+if current and current ~= token then
+  return redis.call('PTTL', key)
+end
+redis.call('SET', key, token, 'PX', lease_ms)
+return -1
+"""
+
 _HEARTBEAT = _NOW_MS + """
-local p, me, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
-redis.call('SET', p .. ':alive:' .. me, '1', 'PX', lease_ms)
+local p, me, lease_ms, token = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+redis.call('SET', p .. ':alive:' .. me, token, 'PX', lease_ms)
 redis.call('ZADD', p .. ':inst', now, me)
 local queued = redis.call('LLEN', p .. ':q:' .. me)
 redis.call('ZADD', p .. ':load', queued, me)
 local lost = {}
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   local rid, origin = ARGV[i], ARGV[i + 1]
   local r = p .. ':r:' .. rid
   if redis.call('HGET', r, 'holder') == me and redis.call('EXISTS', p .. ':alive:' .. origin) == 1 then
@@ -213,6 +227,8 @@ class PoolStore:
         self._take = self._redis.register_script(_TAKE)
         self._push = self._redis.register_script(_PUSH)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
+        self._claim = self._redis.register_script(_CLAIM)
+        self.token = secrets.token_hex(8)   # this member's, whatever its instance id
         self._reap = self._redis.register_script(_REAP)
 
     def _key(self, *parts: str) -> str:
@@ -256,9 +272,15 @@ class PoolStore:
                      *o.new_token_ids]
         return [rid.decode() for rid in self._call(self._push, args=args)]
 
+    def claim(self, *, lease_s: float) -> int | None:
+        """Take the instance id for this member: None when done, else the milliseconds left on
+        another member's claim of it (a live one renews it; a dead one's runs out)."""
+        left = int(self._call(self._claim, args=[self.prefix, self.instance_id, self.token, int(lease_s * 1000)]))
+        return None if left < 0 else left
+
     def heartbeat(self, *, lease_s: float, held: dict[str, str]) -> Heartbeat:
         """Stay alive, publish the own queue's length, renew the leases of ``held`` (id -> origin)."""
-        args: list[Any] = [self.prefix, self.instance_id, int(lease_s * 1000)]
+        args: list[Any] = [self.prefix, self.instance_id, int(lease_s * 1000), self.token]
         for request_id, origin in held.items():
             args += [request_id, origin]
         queued, num_instances, lost = self._call(self._heartbeat, args=args)

@@ -208,3 +208,25 @@ def test_undecodable_entries_fail_only_their_request_and_stop_no_thread(pool, re
     done = _results_until(a, lambda got: sum(o.finished for o in got) == 2)
     assert sorted(o.request_id for o in done if o.finished) == ["also-good", "good"]
     assert a.stats()["undecodable"] == 1 and b.stats()["undecodable"] == 1
+
+
+def test_a_second_live_member_with_the_same_instance_id_is_refused(pool) -> None:
+    """Two members given one id would take each other's requests as their own and drop them."""
+    first = pool("same")
+    with pytest.raises(ConfigError) as info:
+        pool("same")
+    assert info.value.key == "scheduler.options.instance_id"
+    assert "'same' belongs to another live member" in str(info.value)
+    first.put_request(_request("r"))   # the first is untouched
+    assert [r.request_id for r in _take(first, 1)] == ["r"]
+
+
+def test_a_restarted_member_takes_its_id_back_once_the_dead_claim_runs_out(pool) -> None:
+    """A restart within lease_s (a supervisor after a crash) waits for the old claim to run out."""
+    dead = pool("restarted")
+    dead._stop.set()   # dies: no heartbeats, no leave
+    for thread in dead._threads:
+        thread.join()
+    again = pool("restarted")
+    again.put_request(_request("r"))
+    assert [r.request_id for r in _take(again, 1)] == ["r"]
