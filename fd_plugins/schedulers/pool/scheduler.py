@@ -414,8 +414,9 @@ class GlobalScheduler(Scheduler):
             self._expire(old)
 
     def _expire(self, request_ids: list[str]) -> None:
-        """Answer own requests still queued after ttl_s."""
-        still_queued = self._store.withdraw(request_ids)
+        """Answer own requests still queued after ttl_s. One a peer has taken (and produced nothing
+        for yet) is not waiting any more: it stays with its holder, whose outputs will come."""
+        still_queued = self._store.withdraw_queued(request_ids)
         with self._lock:
             for request_id, queued in zip(request_ids, still_queued, strict=True):
                 record = self._originated.get(request_id)

@@ -108,6 +108,23 @@ redis.call('SET', key, token, 'PX', lease_ms)
 return -1
 """
 
+# Withdraw the given own requests that are still queued (not taken): 1 for each one withdrawn.
+_WITHDRAW_QUEUED = """
+local p, me = ARGV[1], ARGV[2]
+local out = {}
+for i = 3, #ARGV do
+  local rid = ARGV[i]
+  if redis.call('LREM', p .. ':q:' .. me, 1, rid) == 1 then
+    redis.call('DEL', p .. ':r:' .. rid, p .. ':t:' .. rid)
+    redis.call('ZREM', p .. ':leases', rid)
+    table.insert(out, 1)
+  else
+    table.insert(out, 0)
+  end
+end
+return out
+"""
+
 _HEARTBEAT = _NOW_MS + """
 local p, me, lease_ms, token = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 redis.call('SET', p .. ':alive:' .. me, token, 'PX', lease_ms)
@@ -228,6 +245,7 @@ class PoolStore:
         self._push = self._redis.register_script(_PUSH)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._claim = self._redis.register_script(_CLAIM)
+        self._withdraw_queued = self._redis.register_script(_WITHDRAW_QUEUED)
         self.token = secrets.token_hex(8)   # this member's, whatever its instance id
         self._reap = self._redis.register_script(_REAP)
 
@@ -303,6 +321,13 @@ class PoolStore:
             pipe.zrem(self._key("leases"), request_id)
         replies = self._call(pipe.execute)
         return [bool(replies[3 * i]) for i in range(len(request_ids))]
+
+    def withdraw_queued(self, request_ids: list[str]) -> list[bool]:
+        """Remove those of ``request_ids`` (this instance's) that are still queued, each atomically
+        with the check; True for each one removed. A taken one stays with its holder."""
+        if not request_ids:
+            return []
+        return [bool(n) for n in self._call(self._withdraw_queued, args=[self.prefix, self.instance_id, *request_ids])]
 
     def rejoin(self) -> None:
         """Empty this instance's queue and result list (after Redis was lost, it serves those itself)."""

@@ -230,3 +230,24 @@ def test_a_restarted_member_takes_its_id_back_once_the_dead_claim_runs_out(pool)
     again = pool("restarted")
     again.put_request(_request("r"))
     assert [r.request_id for r in _take(again, 1)] == ["r"]
+
+
+def test_a_request_a_peer_took_is_not_expired_by_the_queue_ttl(pool) -> None:
+    """ttl_s bounds the wait in the queue: a request a peer took, still without output when the
+    origin's TTL check comes, stays with the peer and is answered by it (it used to be withdrawn
+    and answered by no one)."""
+    a, b = pool("a", ttl_s=0.3), pool("b")
+    a.put_request(_request("taken"))
+    (held,) = _take(b, 1)
+    time.sleep(0.8)   # several of a's heartbeats past ttl_s
+    b.put_results([_output(held, 4, finished=True)])
+    (final,) = [o for o in _results_until(a, lambda got: any(o.finished for o in got)) if o.finished]
+    assert final.request_id == "taken" and final.finish_reason == FinishReason.LENGTH and final.error is None
+    assert b.take_cancelled() == []
+
+
+def test_a_request_still_queued_after_the_ttl_is_answered_with_an_error(pool) -> None:
+    a = pool("a", ttl_s=0.3, steal_min_queued=100)
+    a.put_request(_request("waiting"))
+    (final,) = _results_until(a, lambda got: any(o.finished for o in got), timeout=3)
+    assert final.finish_reason == FinishReason.ERROR and "expired after waiting 0.3 s" in final.error
