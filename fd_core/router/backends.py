@@ -21,6 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -71,6 +72,15 @@ def _os_cause(exc: BaseException) -> str | None:
     return None
 
 
+def redacted(url: str) -> str:
+    """``url`` without the credentials of its ``user:password@`` part, if it has one."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"***@{host}"))
+
+
 @dataclass(slots=True, eq=False)
 class Backend:
     """One fd-serve instance as the router sees it (identity-compared: one object per URL)."""
@@ -91,10 +101,15 @@ class Backend:
     def healthy(self) -> bool:
         return self.status in HEALTHY
 
+    @property
+    def name(self) -> str:
+        """The URL as shown (``/health``, ``/metrics``, errors, logs): any ``user:password@`` removed."""
+        return redacted(self.url)
+
     def public(self) -> dict[str, Any]:
         """The backend's entry in the router's ``/health``."""
         reason = self.reason if self.reason is not None else why_out(self)
-        return {"url": self.url, "status": self.status, "role": self.role, "load": self.load, "reason": reason,
+        return {"url": self.name, "status": self.status, "role": self.role, "load": self.load, "reason": reason,
                 "in_flight": self.in_flight, "last_error": self.last_error}
 
 
@@ -112,7 +127,7 @@ class BackendPool:
     async def start(self) -> None:
         """Poll every backend once (so that the first requests find them), then keep polling."""
         await asyncio.gather(*(self.poll(backend) for backend in self.backends))
-        self._pollers = [asyncio.create_task(self._poll_forever(backend), name=f"fd-router-poll {backend.url}")
+        self._pollers = [asyncio.create_task(self._poll_forever(backend), name=f"fd-router-poll {backend.name}")
                          for backend in self.backends]
 
     async def close(self) -> None:
@@ -151,7 +166,7 @@ class BackendPool:
             try:
                 await self.poll(backend)
             except Exception as exc:  # our bug; the backend must not keep its last state for ever
-                log.exception("polling %s failed", backend.url)
+                log.exception("polling %s failed", backend.name)
                 self._mark_down(backend, f"the router could not poll it: {type(exc).__name__}: {exc}")
 
     async def poll(self, backend: Backend) -> None:
@@ -178,14 +193,14 @@ class BackendPool:
 
     def _mark_down(self, backend: Backend, cause: str) -> None:
         if backend.status != DOWN:
-            log.warning("backend %s is down: %s", backend.url, cause)
+            log.warning("backend %s is down: %s", backend.name, cause)
         backend.status, backend.reason, backend.last_error = DOWN, cause, cause
         backend.load = None  # what it reported before is no load any more
 
     def _record(self, backend: Backend, body: dict[str, Any]) -> None:
         status = body["status"] if isinstance(body["status"], str) and body["status"] in _REPORTED else UNKNOWN
         if status != backend.status and backend.status != UNKNOWN:
-            log.info("backend %s: %s -> %s%s", backend.url, backend.status, status,
+            log.info("backend %s: %s -> %s%s", backend.name, backend.status, status,
                      f" ({body.get('reason')})" if body.get("reason") else "")
         if backend.lost.is_set():
             backend.lost = asyncio.Event()  # streams started from now on are not lost

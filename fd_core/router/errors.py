@@ -28,7 +28,7 @@ BACKEND_FAILED: Final = "backend_failed"
 
 def no_backend(backends: Sequence[Backend], tried: Mapping[Backend, str]) -> ApiError:
     """503: every backend, each with why it is out (``tried``: the cause this request met)."""
-    causes = [f"{b.url} ({'tried: ' + tried[b] if b in tried else why_out(b) or 'busy'})" for b in backends]
+    causes = [f"{b.name} ({'tried: ' + tried[b] if b in tried else why_out(b) or 'busy'})" for b in backends]
     return ApiError(503, "no backend can take the request: " + "; ".join(causes),
                     type="service_unavailable_error", code=NO_BACKEND)
 
@@ -36,7 +36,7 @@ def no_backend(backends: Sequence[Backend], tried: Mapping[Backend, str]) -> Api
 def backend_failed(backend: Backend, cause: str, *, streaming: bool) -> ApiError:
     """502 (or a stream's error event): ``backend`` stopped answering after it had the request."""
     where = "mid-stream" if streaming else "before it answered"
-    return ApiError(502, f"backend {backend.url} failed {where}: {cause}; the request was not completed",
+    return ApiError(502, f"backend {backend.name} failed {where}: {cause}; the request was not completed",
                     type="server_error", code=BACKEND_FAILED)
 
 

@@ -95,7 +95,7 @@ class _Attempt:
         if self.outcome is None:
             self.outcome = outcome
             self.backend.in_flight -= 1
-            self.metrics.attempt(self.backend.url, outcome)
+            self.metrics.attempt(self.backend.name, outcome)
 
 
 class Forwarder:
@@ -191,7 +191,7 @@ class Forwarder:
         attempt.finish(BACKEND_ERROR)
         self._pool.recheck(attempt.backend)
         cause = describe_error(exc) if isinstance(exc, httpx.HTTPError) else attempt.backend.reason or "lost"
-        log.warning("backend %s failed a request: %s", attempt.backend.url, cause)
+        log.warning("backend %s failed a request: %s", attempt.backend.name, cause)
         return backend_failed(attempt.backend, cause, streaming=False)
 
 
@@ -297,7 +297,7 @@ class _Relay(StreamingResponse):
                 cause = attempt.backend.reason or "unreachable"
             attempt.finish(BACKEND_ERROR)
             self._pool.recheck(attempt.backend)
-            log.warning("backend %s failed mid-stream: %s", attempt.backend.url, cause)
+            log.warning("backend %s failed mid-stream: %s", attempt.backend.name, cause)
             if not done:  # a backend that sent [DONE] had finished: nothing is missing
                 yield sse.event(backend_failed(attempt.backend, cause, streaming=True).body())
                 yield sse.DONE

@@ -47,9 +47,9 @@ class _PoolCollector(Collector):
         load = GaugeMetricFamily("fd_router_backend_load", "In flight from the router + reported waiting + running.",
                                  labels=["backend"])
         for backend in self._pool.backends:
-            up.add_metric([backend.url, backend.role or "unknown"], int(backend.healthy))
-            in_flight.add_metric([backend.url], backend.in_flight)
-            load.add_metric([backend.url], score(backend))
+            up.add_metric([backend.name, backend.role or "unknown"], int(backend.healthy))
+            in_flight.add_metric([backend.name], backend.in_flight)
+            load.add_metric([backend.name], score(backend))
         yield from (up, in_flight, load)
 
 
@@ -65,7 +65,7 @@ class RouterMetrics:
                                   registry=self.registry)
         for backend in pool.backends:  # every series exists from the start (rate() needs its zero)
             for outcome in OUTCOMES:
-                self.requests.labels(backend=backend.url, outcome=outcome)
+                self.requests.labels(backend=backend.name, outcome=outcome)
 
     def attempt(self, backend_url: str, outcome: str) -> None:
         assert outcome in OUTCOMES, outcome

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.fd_core.router.conftest import API_KEY, KEY, RouterProcess, start_router, wait_for
-from tests.fd_core.server.conftest import ServerProcess
+from tests.fd_core.server.conftest import ServerProcess, free_port
 from tests.fd_core.server.test_requests import metric, metrics, sse_events, wait_all_blocks_free
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
@@ -206,3 +206,20 @@ def test_sigterm_stops_the_router_with_exit_0(backends, tmp_path: Path):
     time.sleep(0.2)
     assert process.stop() == 0, process.log()
     assert "Traceback" not in process.log()
+
+
+def test_backend_credentials_are_never_shown(tmp_path: Path):
+    """A backend URL's ``user:password@`` stays out of /health, /metrics and client errors."""
+    url = f"http://operator:s3cret@127.0.0.1:{free_port()}"   # nothing listens there: down, then 503
+    process = start_router(tmp_path, [url], name="credentials")
+    try:
+        wait_for(lambda: httpx.get(process.url + "/health", timeout=5).json()["backends"][0]["status"] == "down",
+                 10, "the backend shown down")
+        shown = [httpx.get(process.url + "/health", timeout=5).text,
+                 httpx.get(process.url + "/metrics", timeout=5).text,
+                 httpx.post(process.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=KEY,
+                            timeout=10).text, process.log()]
+        assert all("s3cret" not in text and "operator" not in text for text in shown), shown
+        assert "http://***@127.0.0.1:" in shown[0]
+    finally:
+        assert process.stop() == 0, process.log()
