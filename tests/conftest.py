@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,14 +76,27 @@ def run_fd_serve(*args: str, env: dict[str, str] | None = None, cwd: Path | None
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path):
-    """A real redis-server on a free loopback port (skipped where none is installed, except in CI)."""
+def make_redis_server(tmp_path: Path):
+    """Start real redis-servers on free loopback ports (``RedisServer``'s options: ``password``,
+    ``extra_args``); all stopped afterwards. Skipped where none is installed, except in CI."""
     from fd_core.testing.redis_server import RedisServer, redis_server_path
 
     if redis_server_path() is None:
         if os.environ.get("FD_REQUIRE_REDIS"):
             pytest.fail("redis-server is not installed but FD_REQUIRE_REDIS is set (.ci/run installs it)")
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
+    started: list[RedisServer] = []
+
+    def make(**options: Any) -> RedisServer:
+        started.append(RedisServer(tmp_path / f"redis{len(started)}", **options).start())
+        return started[-1]
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def redis_server(make_redis_server):
+    """A real redis-server on a free loopback port (see ``make_redis_server``)."""
+    return make_redis_server()

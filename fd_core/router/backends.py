@@ -21,10 +21,10 @@ import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from fd_core.redact import redacted_url
 from fd_core.router.choose import HEALTHY, choose, why_out
 
 if TYPE_CHECKING:
@@ -72,15 +72,6 @@ def _os_cause(exc: BaseException) -> str | None:
     return None
 
 
-def redacted(url: str) -> str:
-    """``url`` without the credentials of its ``user:password@`` part, if it has one."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"***@{host}"))
-
-
 @dataclass(slots=True, eq=False)
 class Backend:
     """One fd-serve instance as the router sees it (identity-compared: one object per URL)."""
@@ -104,7 +95,7 @@ class Backend:
     @property
     def name(self) -> str:
         """The URL as shown (``/health``, ``/metrics``, errors, logs): any ``user:password@`` removed."""
-        return redacted(self.url)
+        return redacted_url(self.url)
 
     def public(self) -> dict[str, Any]:
         """The backend's entry in the router's ``/health``."""

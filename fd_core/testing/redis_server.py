@@ -28,7 +28,8 @@ class RedisServer:
     """One ``redis-server`` child process bound to 127.0.0.1 (or the addresses in ``bind``: the
     first is the one in :attr:`url`); :meth:`stop`, :meth:`start` again."""
 
-    def __init__(self, folder: Path, port: int | None = None, *, bind: tuple[str, ...] = ("127.0.0.1",)) -> None:
+    def __init__(self, folder: Path, port: int | None = None, *, bind: tuple[str, ...] = ("127.0.0.1",),
+                 password: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
         executable = redis_server_path()
         if executable is None:
             raise FileNotFoundError("redis-server is not on PATH (apt-get install redis-server)")
@@ -36,6 +37,8 @@ class RedisServer:
         self.folder = folder
         self.port = port or _free_port()
         self.bind = bind
+        self.password = password
+        self.extra_args = extra_args   # more redis-server options ("--cluster-enabled", "yes"...)
         self.url = self.url_at(bind[0])
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -47,7 +50,8 @@ class RedisServer:
             [self._executable, "--port", str(self.port), "--bind", *self.bind, "--save", "", "--appendonly", "no",
              # clients come from the addresses it binds (test namespaces), not only loopback
              "--protected-mode", "no" if self.bind != ("127.0.0.1",) else "yes",
-             "--dir", str(self.folder)], stdout=log, stderr=subprocess.STDOUT)
+             "--dir", str(self.folder), *(("--requirepass", self.password) if self.password else ()),
+             *self.extra_args], stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -57,7 +61,7 @@ class RedisServer:
             try:
                 with socket.create_connection((self.bind[0], self.port), timeout=1) as conn:
                     conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
+                    if conn.recv(16).startswith((b"+PONG", b"-NOAUTH")):   # answering; a password is set
                         return self
             except OSError:
                 pass
@@ -65,8 +69,9 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {START_TIMEOUT_S} s")
 
     def url_at(self, host: str) -> str:
-        """The redis-py URL of this server at one of its bind addresses."""
-        return f"redis://{host}:{self.port}/0"
+        """The redis-py URL of this server at one of its bind addresses (with its password)."""
+        credentials = f":{self.password}@" if self.password else ""
+        return f"redis://{credentials}{host}:{self.port}/0"
 
     def stop(self) -> None:
         """Kill the server (its data is gone)."""

@@ -51,7 +51,7 @@ from fd_core.request import FinishReason, Request
 from fd_core.server import wire
 from fd_plugins.schedulers.local import drain_results, hook_order
 from fd_plugins.schedulers.pool.settings import GlobalSchedulerSettings
-from fd_plugins.schedulers.pool.store import Outgoing, PoolStore, RedisLost, Taken
+from fd_plugins.schedulers.pool.store import Outgoing, PoolStore, RedisLost, RedisUnsupported, Taken
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -89,7 +89,7 @@ class GlobalScheduler(Scheduler):
             self._store.check()
             self._claim_instance_id()
             self._store.heartbeat(lease_s=settings.lease_s, held={})
-        except RedisLost as exc:
+        except (RedisLost, RedisUnsupported) as exc:
             self._store.close()
             raise ConfigError("scheduler.options.url", str(exc)) from None
         except ConfigError:
@@ -116,7 +116,7 @@ class GlobalScheduler(Scheduler):
                          threading.Thread(target=self._result_loop, name="fd-global-results", daemon=True)]
         for thread in self._threads:
             thread.start()
-        log.info("joined the pool %r at %s as %s", settings.topic, settings.url, self.instance_id)
+        log.info("joined the pool %r at %s as %s", settings.topic, self._store.shown_url, self.instance_id)
 
     def _claim_instance_id(self) -> None:
         """Make this member the only live one of its instance id, or raise ConfigError. A claim
@@ -130,7 +130,7 @@ class GlobalScheduler(Scheduler):
             if (last_left is not None and left > last_left) or time.monotonic() > deadline:
                 raise ConfigError("scheduler.options.instance_id", (
                     f"instance id {self.instance_id!r} belongs to another live member of the pool {settings.topic!r} "
-                    "at " + settings.url + "; give each member its own id, or leave it unset (each data-parallel "
+                    f"at {self._store.shown_url}; give each member its own id, or leave it unset (each data-parallel "
                     "rank is a member too)"))
             last_left = left
             time.sleep(min(settings.heartbeat_s / 2, left / 1000 + 0.01))
@@ -376,7 +376,7 @@ class GlobalScheduler(Scheduler):
             self._store.withdraw(stale)
         with self._lock:
             self._degraded = None
-        log.info("Redis at %s is back; rejoined the pool", self._store.url)
+        log.info("Redis at %s is back; rejoined the pool", self._store.shown_url)
 
     def _heartbeat_loop(self) -> None:
         settings = self.settings

@@ -1,6 +1,6 @@
 """Every Redis round trip of the ``global`` scheduler: the key layout and its Lua scripts.
 
-Keys of a pool (``P`` = ``fd:{topic}``; the braces keep a pool's keys in one Redis Cluster slot)::
+Keys of a pool (``P`` = ``fd:{topic}``)::
 
     P:alive:<instance>   string, expires after lease_s     the instance is alive while it exists; its value
                                                            is the member's token (one process: see claim)
@@ -21,6 +21,10 @@ each heartbeat, queues requests whose lease ran out at the *front* of their orig
 tokens in ``P:t`` go with them: the next holder continues from there) and drops the queues and
 records of instances whose ``alive`` key expired. Times in scripts come from Redis' own clock,
 so instances on hosts whose clocks differ still agree on every deadline.
+
+A standalone Redis (with replicas or Sentinel, through a redis-py URL) serves a pool; a Redis
+Cluster is refused at start-up (:meth:`PoolStore.check`): the scripts take key names from ARGV,
+which a cluster cannot route.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import redis
+
+from fd_core.redact import redacted_url
 
 #: The oldest Redis the scripts run on (BLMPOP, LPOP with a count).
 MIN_REDIS_VERSION: Final = (7, 0)
@@ -182,6 +188,10 @@ return {expired, dropped, dead}
 """
 
 
+class RedisUnsupported(Exception):
+    """The Redis answers but cannot hold a pool (a Redis Cluster node); the message says why."""
+
+
 class RedisLost(Exception):
     """Redis could not be reached (or answered too slowly); the message says how."""
 
@@ -233,6 +243,7 @@ class PoolStore:
     def __init__(self, url: str, topic: str, instance_id: str, *, socket_timeout_s: float,
                  result_block_s: float) -> None:
         self.url = url
+        self.shown_url = redacted_url(url)   # in errors and logs: no password
         self.instance_id = instance_id
         self.prefix = f"fd:{{{topic}}}"
         self._result_block_s = result_block_s
@@ -257,14 +268,18 @@ class PoolStore:
         try:
             return fn(*args, **kwargs)
         except redis.RedisError as exc:
-            raise RedisLost(f"Redis at {self.url} is unreachable ({type(exc).__name__}: {exc})") from exc
+            raise RedisLost(f"Redis at {self.shown_url} is unreachable ({type(exc).__name__}: {exc})") from exc
 
     def check(self) -> None:
-        """Fail unless Redis answers and is new enough."""
+        """Fail unless Redis answers, is new enough and is a standalone server (RedisUnsupported
+        for a Redis Cluster node: the scripts name keys the cluster cannot route)."""
+        if int(self._call(self._redis.info, "cluster").get("cluster_enabled", 0)):
+            raise RedisUnsupported(f"Redis at {self.shown_url} runs in cluster mode; the global scheduler needs a "
+                                   "standalone Redis (or a primary with replicas), not a Redis Cluster")
         info = self._call(self._redis.info, "server")
         version = tuple(int(part) for part in str(info.get("redis_version", "0")).split(".")[:2])
         if version < MIN_REDIS_VERSION:
-            raise RedisLost(f"Redis at {self.url} is version {info.get('redis_version')}; the global scheduler "
+            raise RedisLost(f"Redis at {self.shown_url} is version {info.get('redis_version')}; the global scheduler "
                             f"needs {'.'.join(map(str, MIN_REDIS_VERSION))} or newer")
 
     def put(self, request_id: str, payload: bytes) -> None:

@@ -251,3 +251,30 @@ def test_a_request_still_queued_after_the_ttl_is_answered_with_an_error(pool) ->
     a.put_request(_request("waiting"))
     (final,) = _results_until(a, lambda got: any(o.finished for o in got), timeout=3)
     assert final.finish_reason == FinishReason.ERROR and "expired after waiting 0.3 s" in final.error
+
+
+def test_a_redis_with_a_password_serves_a_pool_and_errors_never_show_it(make_redis_server) -> None:
+    server = make_redis_server(password="pool-s3cret")
+    a = GlobalScheduler(GlobalSchedulerSettings(url=server.url, instance_id="a", **FAST), hooks=_no_hooks(),
+                        max_queue_size=4)
+    try:
+        a.put_request(_request("r"))
+        assert [r.request_id for r in _take(a, 1)] == ["r"]
+    finally:
+        a.close()
+    wrong = server.url.replace("pool-s3cret", "not-it")
+    with pytest.raises(ConfigError) as info:
+        GlobalScheduler(GlobalSchedulerSettings(url=wrong, **FAST), hooks=_no_hooks(), max_queue_size=4)
+    assert info.value.key == "scheduler.options.url" and "redis://***@127.0.0.1" in str(info.value)
+    assert "not-it" not in str(info.value)
+
+
+def test_a_redis_cluster_node_is_refused_at_start_up(make_redis_server) -> None:
+    """The scripts take key names from ARGV, which a cluster cannot route: refused, not half-working."""
+    from tests.fd_core.server.conftest import free_port
+
+    server = make_redis_server(extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                           "--cluster-port", str(free_port())))   # not its port + 10000
+    with pytest.raises(ConfigError, match="runs in cluster mode") as info:
+        GlobalScheduler(GlobalSchedulerSettings(url=server.url, **FAST), hooks=_no_hooks(), max_queue_size=4)
+    assert info.value.key == "scheduler.options.url"
