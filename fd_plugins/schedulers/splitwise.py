@@ -74,6 +74,7 @@ class SplitwiseScheduler(LocalScheduler, PeerDirectory):
         self._listing: list[PeerInfo] = []
         self._listed_at = 0.0
         self._listing_lock = threading.Lock()
+        self._unreadable: set[tuple[str, bytes]] = set()   # directory entries said to be unreadable
         self._degraded: str | None = None
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="fd-splitwise-heartbeat", daemon=True)
@@ -158,14 +159,27 @@ class SplitwiseScheduler(LocalScheduler, PeerDirectory):
         for member, entry in zip(members, entries, strict=True):
             if entry is None:
                 gone.append(member)
-            elif member != me:
-                listing.append(PeerInfo(**json.loads(entry)))
+            elif member != me and (peer := self._peer_info(member, entry)) is not None:
+                listing.append(peer)
         if gone:
             try:
                 self._redis.srem(f"{self._prefix}:peers", *gone)
             except redis.RedisError:
                 pass
         self._listing = listing
+
+    def _peer_info(self, member: str, entry: bytes) -> PeerInfo | None:
+        """A directory entry as a peer, or None for one that does not decode (damaged, or written by
+        another fd-engine version with other fields): never paired with, said once per entry."""
+        try:
+            data = json.loads(entry)
+            return PeerInfo(**data)
+        except (ValueError, TypeError) as exc:
+            if (member, entry) not in self._unreadable:
+                self._unreadable.add((member, entry))
+                log.warning("peer directory entry of %r is not one this version reads (%s: %s); not pairing "
+                            "with it", member, type(exc).__name__, exc)
+            return None
 
     def _lose_redis(self, exc: Exception) -> None:
         if self._degraded is None:
