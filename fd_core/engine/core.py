@@ -307,10 +307,14 @@ class EngineCore:
 
     def _unservable(self, request: Request) -> _Ending | None:
         """The ending of a request this instance can never serve, or None. Requests from the front
-        door were validated there; those a pool scheduler took from a peer or a decode instance sent
-        were validated where they came from, against that instance's limits (a larger KV pool or
-        max_model_len, another vocabulary), so each is checked here too: one that cannot fit would
-        otherwise wait for room forever, and an id outside the vocabulary fails a whole step."""
+        door (:meth:`add_request`) were validated there and pass; those a pool scheduler took from a
+        peer or a decode instance sent were validated where they came from, against that instance's
+        limits (a larger KV pool or max_model_len, another vocabulary), so each is checked here: one
+        that cannot fit would otherwise wait for room forever, and an id outside the vocabulary
+        fails a whole step."""
+        with self._live_lock:
+            if request.request_id in self._live:
+                return None
         try:
             self.validate(request)
         except RequestError as exc:

@@ -275,11 +275,16 @@ class Tokenizer:
         return self._backend.post_process(merged, add_special_tokens=True).ids
 
     def _spells_special(self, content: Any) -> bool:
-        return isinstance(content, str) and any(token in content for token in self._special_tokens)
+        pattern = self._special_spellings
+        return isinstance(content, str) and pattern is not None and pattern.search(content) is not None
 
     @functools.cached_property
-    def _special_tokens(self) -> tuple[str, ...]:
-        return tuple(t.content for t in self._backend.get_added_tokens_decoder().values() if t.special)
+    def _special_spellings(self) -> re.Pattern[str] | None:
+        """One pattern of every special token's text (one pass over a message, however many the
+        vocabulary has: Llama 3 has 256), or None without special tokens."""
+        tokens = sorted((t.content for t in self._backend.get_added_tokens_decoder().values() if t.special),
+                        key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, tokens))) if tokens else None
 
     @functools.cached_property
     def _plain_text_backend(self) -> tokenizers.Tokenizer:
