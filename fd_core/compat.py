@@ -44,7 +44,8 @@ BREAKING: Final[dict[int, dict[str, str]]] = {
 ADDITIONS: Final[dict[int, str]] = {
     2: "ResourceManager.supports_prefix_caching was added; Platform.capabilities is read per instance",
     3: "ResourceManager.reserve was added (optional, for decode instances)",
-    4: "the model-architecture seam (fd.models entry points, the fd_register_models hook) was added",
+    4: "the model-architecture seam (fd.models entry points, the fd_register_models hook) was added; "
+       "Scheduler.note_capacity and Scheduler.drain were added (optional)",
 }
 
 #: Deprecated versions keep loading (where their seam allows) up to, not including, this release.

@@ -32,6 +32,7 @@ from fd_core.contracts._base import SeamPlugin
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
+    from fd_core.contracts.resource_manager import KVStats
     from fd_core.outputs import RequestOutput
     from fd_core.request import Request
 
@@ -78,6 +79,19 @@ class Scheduler(SeamPlugin, ABC):
         Called at the start of every step. The default has none.
         """
         return []
+
+    def note_capacity(self, kv: KVStats) -> None:
+        """The resource manager's figures after a step (free KV blocks, requests running and waiting
+        for blocks). Called by the engine loop after every step; must return at once. A scheduler
+        that takes work from elsewhere (the pool's work stealing) takes none while the engine could
+        not start it. The default ignores it. Added in hookspec version 4.
+        """
+
+    def drain(self) -> None:
+        """The instance is shutting down (SIGTERM): requests already accepted are still served, but a
+        cluster scheduler takes no more work from other instances. Called once, from the engine's
+        input thread. The default does nothing. Added in hookspec version 4.
+        """
 
     def stats(self) -> dict[str, Any]:
         """Figures for ``/metrics`` (numbers; a ``degraded_reason`` string marks ``/health`` degraded)."""

@@ -177,6 +177,11 @@ class EngineCore:
         self._aborts.append(request_id)
         self.wake()
 
+    def drain(self) -> None:
+        """The instance is shutting down: what was accepted is still served, the scheduler takes no
+        more work from other instances (:meth:`Scheduler.drain`); any thread."""
+        self._tell(self.scheduler, "drain")
+
     def get_results(self, timeout: float | None) -> list[RequestOutput]:
         """Outputs routed back to this origin (see Scheduler.get_results); a final one frees its id."""
         outputs = self.scheduler.get_results(timeout)
@@ -231,6 +236,7 @@ class EngineCore:
             outputs.extend(self._execute(plan))
         self._idle = plan.is_empty and not outputs
         self._stats = self._collect_stats()
+        self._tell(self.scheduler, "note_capacity", self._stats.kv)
         return self._route(outputs)
 
     def has_unfinished(self) -> bool:

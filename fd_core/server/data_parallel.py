@@ -131,6 +131,10 @@ class DataParallelClient:
             if placed is not None:
                 self.ranks[placed.rank].abort([request_id])
 
+    def drain(self) -> None:
+        for rank in self.ranks:
+            rank.drain()
+
     async def stats(self) -> dict[str, Any]:
         """The live ranks' EngineStats summed, with ``ranks``: each rank's own figures."""
         live = [rank for rank in self.ranks if rank.state is EngineState.READY]

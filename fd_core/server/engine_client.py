@@ -262,6 +262,12 @@ class EngineClient:
         if request_ids and self.state is EngineState.READY:
             self._send([wire.ABORT, request_ids])
 
+    def drain(self) -> None:
+        """The server is shutting down: the engine serves what it accepted and takes no more work from
+        other instances (a pool); callable from synchronous code."""
+        if self.state is EngineState.READY:
+            self._send([wire.DRAIN])
+
     async def stats(self) -> dict[str, Any]:
         """The engine's EngineStats as a dict (``kv`` nested); raises EngineDeadError or TimeoutError."""
         self._check_alive()

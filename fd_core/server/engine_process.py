@@ -4,7 +4,7 @@ Started by :class:`fd_core.server.engine_client.EngineClient` with the ``spawn``
 Three threads share the EngineCore (whose front door is thread-safe):
 
 - the main thread runs :meth:`EngineCore.run` until told to stop;
-- the input thread reads ADD / ABORT / STATS / SHUTDOWN messages and answers ADD with ACK or
+- the input thread reads ADD / ABORT / STATS / DRAIN / SHUTDOWN messages and answers ADD with ACK or
   REJECT; it also stops everything when the parent process is gone;
 - the output thread sends each ``get_results()`` batch as one OUTPUTS message.
 
@@ -163,6 +163,8 @@ def _input_loop(engine: EngineCore, socket: zmq.Socket[bytes], sender: _Sender, 
             sender.send([wire.STATS_REPLY, message[1], dataclasses.asdict(engine.stats())])
         elif kind == wire.SHUTDOWN:
             break
+        elif kind == wire.DRAIN:
+            engine.drain()
         else:
             log.error("ignoring a message of unknown kind %r", kind)
     stop.set()

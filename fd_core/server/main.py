@@ -106,4 +106,5 @@ class _Server(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._state.drain.start()  # the requests in flight have server.shutdown_timeout_s from now
+        self._state.client.drain()  # a pool member takes no more work from its peers
         await super().shutdown(sockets)

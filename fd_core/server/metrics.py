@@ -68,7 +68,8 @@ class _EngineCollector(Collector):
 
 #: Scheduler figures that only grow (exported as counters; the others are gauges).
 _SCHEDULER_COUNTERS: Final = frozenset({"served_for_peers", "taken_by_peers", "leases_expired", "reserved",
-                                        "redis_round_trips", "degraded_episodes", "undecodable"})
+                                        "redis_round_trips", "degraded_episodes", "undecodable", "lapses",
+                                        "deferred"})
 
 
 #: Hand-off figures that go up and down (the others only grow).

@@ -7,6 +7,8 @@ Every message is one list whose first item is its kind. Front end -> engine (one
     [ABORT, [request_id, ...]]
     [STATS, nonce]
     [SHUTDOWN]
+    [DRAIN]                                            SIGTERM: serve what was accepted, take no more
+                                                       work from other instances
 
 Engine -> front end (a second PUSH/PULL pair)::
 
@@ -43,6 +45,7 @@ ADD: Final = 0
 ABORT: Final = 1
 STATS: Final = 2
 SHUTDOWN: Final = 3
+DRAIN: Final = 4
 # engine -> front end
 READY: Final = 10
 FAILED: Final = 11

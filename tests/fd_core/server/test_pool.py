@@ -33,6 +33,9 @@ REQUEST_TIMEOUT_S = 90.0
 #: Output length of the requests that outlive a killed holder.
 LONG_MAX_TOKENS = 160
 
+#: The pool's lease (at least heartbeat_s + 2 x socket_timeout_s of the config below).
+LEASE_S = 1.2
+
 
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> dict[Any, str]:
@@ -57,7 +60,8 @@ name = "global"
 url = "{url}"
 instance_id = "{name}"
 heartbeat_s = 0.2
-lease_s = 1.0
+socket_timeout_s = 0.5
+lease_s = {LEASE_S}
 steal_min_queued = 1
 """)
     return str(path)
@@ -198,3 +202,55 @@ def test_redis_lost_and_back_nothing_accepted_is_lost(pool, redis_server, refere
         again = list(workers.map(lambda i: _stream(a.url, i, max_tokens=LONG_MAX_TOKENS), range(8)))
     assert again == [reference["long", i] for i in range(8)]
     assert _figure(b, "fd_scheduler_served_for_peers_total") > before, "B took no work from A after the rejoin"
+
+
+def test_an_origin_paused_longer_than_a_lease_ends_every_stream_exactly(pool, reference) -> None:
+    """Issue 41 item 2: A is paused (SIGSTOP) longer than a lease while B runs some of its streams.
+    B's reaper drops A's queue and output list and B gives up what it ran for A, as for a dead
+    origin; resumed, A notices at its next heartbeat and serves those requests itself, from the
+    tokens its clients have: every stream ends, with the text of one uninterrupted run."""
+    a, b = pool
+    starts = [threading.Event() for _ in range(8)]
+    with ThreadPoolExecutor(8) as workers:
+        futures = [workers.submit(_stream, a.url, i, starts[i], LONG_MAX_TOKENS) for i in range(8)]
+        _wait_for(lambda: _figure(b, "fd_scheduler_holding_for_peers") > 0 and sum(s.is_set() for s in starts) > 2,
+                  "B to hold some of A's requests while their streams run")
+        paused = [a.proc.pid, a.engine_pid()]
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.5 * LEASE_S)
+            assert _figure(b, "fd_scheduler_holding_for_peers") == 0, "B still runs A's requests"
+        finally:
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
+        texts = [future.result(timeout=REQUEST_TIMEOUT_S) for future in futures]
+    assert texts == [reference["long", i] for i in range(8)], "a stream differs from the single-instance answer"
+    assert _figure(a, "fd_scheduler_lapses_total") >= 1
+    for server in (a, b):
+        wait_all_blocks_free(server.url)
+        assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_a_data_parallel_rank_s_request_continues_in_the_pool_after_its_tokens(redis_server, tiny_model, tmp_path,
+                                                                             reference) -> None:
+    """Issue 41 item 9: with data_parallel_size 2 each rank is a pool member; a rank killed
+    mid-stream has its requests continued on the other rank, which puts them into the pool with
+    the tokens the client has: the stream goes on after them (it used to start again from the
+    first token: duplicates, and more than max_tokens)."""
+    path = tmp_path / "dp.toml"
+    config = Path(_pool_config(tmp_path, redis_server.url, "dp")).read_text()
+    path.write_text(config.replace('instance_id = "dp"\n', ""))   # each rank is a member of its own id
+    server = start_server(tmp_path, "--config", str(path), "--model.source", str(tiny_model), *TINY_ARGS,
+                          "--parallel.data_parallel_size", "2", name="dp")
+    try:
+        starts = [threading.Event() for _ in range(2)]
+        with ThreadPoolExecutor(2) as workers:   # one stream a rank (placement by tokens in flight)
+            futures = [workers.submit(_stream, server.url, i, starts[i], LONG_MAX_TOKENS) for i in range(2)]
+            assert all(start.wait(60) for start in starts)
+            os.kill(server.engine_pids()[1], signal.SIGKILL)
+            texts = [future.result(timeout=REQUEST_TIMEOUT_S) for future in futures]
+        assert texts == [reference["long", i] for i in range(2)], "a continued stream differs from one run"
+        assert metric(metrics(server.url), "fd_dp_requests_continued_total") >= 1
+    finally:
+        assert server.stop() == 0, server.log()

@@ -70,7 +70,7 @@ def test_options_come_from_the_config_file_and_dotted_flags(redis_server, tmp_pa
     result = _check("scheduler/splitwise", "--config", str(deploy))
     assert result.returncode == 0, result.stdout + result.stderr
     assert _row(result.stdout, "peer_directory")[0] == "passed"
-    options = json.dumps({"url": redis_server.url, "heartbeat_s": 0.1, "lease_s": 1.0})
+    options = json.dumps({"url": redis_server.url, "heartbeat_s": 0.1, "socket_timeout_s": 0.4, "lease_s": 1.0})
     result = _check("scheduler/global", "--scheduler.options", options, "--skip", "ttl_expiry")
     assert result.returncode == 0, result.stdout + result.stderr
     assert _row(result.stdout, "order_hook")[0] == "passed"

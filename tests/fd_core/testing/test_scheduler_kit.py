@@ -48,7 +48,7 @@ def test_splitwise_passes_with_redis(redis_server):
 
 
 def test_global_passes_with_redis(redis_server):
-    options = {"url": redis_server.url, "heartbeat_s": 0.1, "lease_s": 1.0}
+    options = {"url": redis_server.url, "heartbeat_s": 0.1, "socket_timeout_s": 0.4, "lease_s": 1.0}
     report = check_scheduler(GlobalScheduler, options=options)
     assert {r.check: r.status for r in report.results if r.status != "passed"} == {"peer_directory": "skipped"}
 

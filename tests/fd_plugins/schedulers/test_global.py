@@ -16,7 +16,7 @@ from fd_core.request import FinishReason, Request, SamplingParams
 from fd_plugins.schedulers.pool.scheduler import GlobalScheduler
 from fd_plugins.schedulers.pool.settings import GlobalSchedulerSettings
 
-FAST = {"heartbeat_s": 0.1, "lease_s": 0.4, "poll_s": 0.02, "steal_min_queued": 1}
+FAST = {"heartbeat_s": 0.1, "socket_timeout_s": 0.25, "lease_s": 0.6, "poll_s": 0.02, "steal_min_queued": 1}
 
 
 def _no_hooks() -> Any:
@@ -69,6 +69,31 @@ def _take(scheduler: GlobalScheduler, n: int, timeout: float = 3.0) -> list[Requ
     return got
 
 
+def _cancelled(scheduler: GlobalScheduler, timeout: float = 3.0) -> list[str]:
+    """take_cancelled the way the engine loop calls it (each step), until it names something."""
+    deadline = time.monotonic() + timeout
+    while not (cancelled := scheduler.take_cancelled()):
+        assert time.monotonic() < deadline, "nothing was cancelled"
+        time.sleep(0.02)
+    return cancelled
+
+
+def _die(member: GlobalScheduler) -> None:
+    """The member's threads stop without leaving the pool (kill -9 as far as Redis can tell)."""
+    member._stop.set()
+    member.wake()
+    with member._lock:
+        member._io.notify_all()
+    for thread in member._threads:
+        thread.join()
+
+
+def _silence(member: GlobalScheduler) -> None:
+    """The member stops heartbeating (as if it hung): its liveness and leases run out, while its
+    other threads go on (what it pushes late is fenced)."""
+    member._beat = lambda: None
+
+
 def test_unreachable_redis_fails_start_up_naming_the_url() -> None:
     settings = GlobalSchedulerSettings(url="redis://127.0.0.1:1/0", socket_timeout_s=0.5)
     with pytest.raises(ConfigError) as info:
@@ -107,15 +132,14 @@ def test_a_dead_holder_s_request_continues_from_the_delivered_tokens(pool) -> No
     b.put_results([_output(held, 11)])
     b.put_results([_output(held, 12)])
     first = _results_until(a, lambda got: sum(len(o.new_token_ids) for o in got) == 2)
-    b._stop.set()   # B "dies": no heartbeats, no leave
-    b._threads[0].join()
+    _silence(b)     # B "hangs": no heartbeats, so its lease runs out
     (again,) = _take(a, 1)      # re-queued at the front of A's queue after lease_s
     assert again.request_id == "r" and again.output_token_ids == [11, 12]
     b.put_results([_output(held, 99)])           # B wakes up late: fenced, nothing reaches A
     a.put_results([_output(again, 13, finished=True)])
     rest = _results_until(a, lambda got: any(o.finished for o in got))
     assert [t for o in first + rest for t in o.new_token_ids] == [11, 12, 13]
-    assert b.take_cancelled() == ["r"]
+    assert _cancelled(b) == ["r"]
     assert a.stats()["leases_expired"] + b.stats()["leases_expired"] >= 1
 
 
@@ -123,16 +147,10 @@ def test_an_origin_that_dies_has_its_requests_given_up_by_the_holder(pool) -> No
     a, b = pool("a"), pool("b")
     a.put_request(_request("r"))
     (held,) = _take(b, 1)
-    a._stop.set()   # A "dies"
-    for thread in a._threads:
-        thread.join()
-    deadline = time.monotonic() + 3
-    cancelled: list[str] = []
-    while not cancelled:
-        assert time.monotonic() < deadline
-        cancelled = b.take_cancelled()
-        time.sleep(0.05)
-    assert cancelled == ["r"] and b.stats()["holding_for_peers"] == 0
+    _die(a)
+    assert _cancelled(b) == ["r"]
+    b.put_results([RequestOutput("r", finished=True, finish_reason=FinishReason.ABORT)])   # the engine ends it
+    assert b.stats()["holding_for_peers"] == 0
 
 
 def test_abort_of_a_request_a_peer_holds_answers_at_once_and_the_peer_drops_it(pool) -> None:
@@ -143,7 +161,7 @@ def test_abort_of_a_request_a_peer_holds_answers_at_once_and_the_peer_drops_it(p
     (answer,) = _results_until(a, lambda got: bool(got))
     assert answer.finished and answer.finish_reason is FinishReason.ABORT
     b.put_results([_output(held, 1)])
-    assert b.take_cancelled() == ["r"]
+    assert _cancelled(b) == ["r"]
     assert a.get_results(timeout=0.3) == []
 
 
@@ -164,7 +182,7 @@ def test_redis_lost_serves_own_requests_locally_and_rejoins(pool, redis_server) 
     assert "unreachable" in a.stats()["degraded_reason"]
     local = {r.request_id: r.output_token_ids for r in a.get_requests(8, timeout=1)}
     assert local == {"held-by-b": [21], "third": []}  # continues after the token A's client has
-    assert b.take_cancelled() == ["held-by-b"]
+    assert _cancelled(b) == ["held-by-b"]
     a.put_request(_request("during"))                 # accepted while degraded
     assert [r.request_id for r in a.get_requests(8, timeout=1)] == ["during"]
     redis_server.start()
@@ -172,6 +190,7 @@ def test_redis_lost_serves_own_requests_locally_and_rejoins(pool, redis_server) 
     while not (a.stats()["redis_up"] and b.stats()["redis_up"]):
         assert time.monotonic() < deadline, (a.stats(), b.stats())
         time.sleep(0.05)
+    assert a.get_requests(0, timeout=0) == []   # A's engine is full: B takes what A queues next
     a.put_request(_request("after-1"))
     a.put_request(_request("after-2"))
     assert [r.request_id for r in _take(b, 2)] == ["after-1", "after-2"]
@@ -224,9 +243,7 @@ def test_a_second_live_member_with_the_same_instance_id_is_refused(pool) -> None
 def test_a_restarted_member_takes_its_id_back_once_the_dead_claim_runs_out(pool) -> None:
     """A restart within lease_s (a supervisor after a crash) waits for the old claim to run out."""
     dead = pool("restarted")
-    dead._stop.set()   # dies: no heartbeats, no leave
-    for thread in dead._threads:
-        thread.join()
+    _die(dead)
     again = pool("restarted")
     again.put_request(_request("r"))
     assert [r.request_id for r in _take(again, 1)] == ["r"]
@@ -278,3 +295,223 @@ def test_a_redis_cluster_node_is_refused_at_start_up(make_redis_server) -> None:
     with pytest.raises(ConfigError, match="runs in cluster mode") as info:
         GlobalScheduler(GlobalSchedulerSettings(url=server.url, **FAST), hooks=_no_hooks(), max_queue_size=4)
     assert info.value.key == "scheduler.options.url"
+
+
+# --- issue 41: a live origin reaped by its peers, continuations, lease ids, leftover keys, the engine step ---
+
+
+def _redis(member: GlobalScheduler) -> Any:
+    import redis
+
+    return redis.Redis.from_url(member._store.url)
+
+
+def _keys(member: GlobalScheduler) -> set[str]:
+    """The pool's keys in Redis, without the ``fd:{topic}:`` prefix."""
+    prefix = member._store.prefix + ":"
+    return {key.decode().removeprefix(prefix) for key in _redis(member).keys("*")}
+
+
+def _tokens(outputs: list[RequestOutput]) -> dict[str, list[int]]:
+    by_id: dict[str, list[int]] = {}
+    for output in outputs:
+        by_id.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return by_id
+
+
+def _until(condition: Callable[[], Any], what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_lease_that_cannot_outlast_the_heartbeat_s_round_trips_is_refused_naming_the_key() -> None:
+    """Between two renewals lie heartbeat_s and up to two Redis calls of socket_timeout_s each
+    (the rest of one heartbeat script's call, the start of the next): a shorter lease lets the
+    peers of a member that is merely slow reap it."""
+    from fd_core.config import load_config
+    from fd_core.selection import resolve
+
+    config = load_config(scheduler={"name": "global", "options": {"heartbeat_s": 0.5, "lease_s": 3.0,
+                                                                  "socket_timeout_s": 2.0}})
+    with pytest.raises(ConfigError) as info:
+        resolve(config)
+    assert info.value.key == "scheduler.options.lease_s"
+    assert "heartbeat_s (0.5) + 2 x socket_timeout_s (2) = 4.5 s" in str(info.value)
+    GlobalSchedulerSettings(heartbeat_s=0.5, socket_timeout_s=1.0, lease_s=2.5)   # exactly enough
+    assert GlobalSchedulerSettings().lease_s >= 0.5 + 2 * 1.0                      # the defaults hold
+
+
+def test_an_origin_whose_liveness_lapsed_serves_what_its_peers_dropped_from_the_tokens_its_clients_have(pool) -> None:
+    """Issue 41 item 2: an origin paused longer than lease_s is reaped by its peers (its queue and
+    records dropped, what they held for it given up) though it lives. Its next heartbeat notices,
+    and it serves every request it originated itself, continuing from the tokens its clients have."""
+    a, b = pool("a"), pool("b")
+    assert a.get_requests(0, timeout=0) == []   # A's engine is full: its requests wait in Redis
+    for i in range(4):
+        a.put_request(_request(f"r{i}"))
+    held = _take(b, 2)
+    assert [r.request_id for r in held] == ["r0", "r1"]
+    b.put_results([_output(held[0], 5)])
+    first = _results_until(a, lambda got: bool(got))
+    a._beat = lambda: None   # A pauses (its heartbeat does), for longer than a lease
+    assert sorted(_cancelled(b)) == ["r0", "r1"]   # B finds A gone and gives up what it ran for A
+    for request in held:                            # (B's engine ends them)
+        b.put_results([RequestOutput(request.request_id, finished=True, finish_reason=FinishReason.ABORT)])
+    _until(lambda: "q:a" not in _keys(a), "B's reaper to drop A's queue")
+    del a._beat              # A resumes
+    served = _take(a, 4)
+    assert {r.request_id: r.output_token_ids for r in served} == {"r0": [5], "r1": [], "r2": [], "r3": []}
+    assert a.stats()["lapses"] == 1 and a.stats()["redis_up"] == 1 and a.stats()["degraded_reason"] is None
+    for request in served:
+        a.put_results([_output(request, 9, finished=True)])
+    rest = _results_until(a, lambda got: sum(o.finished for o in got) == 4)
+    assert _tokens(first + rest) == {"r0": [5, 9], "r1": [9], "r2": [9], "r3": [9]}
+    assert _keys(a) == {"alive:a", "alive:b", "inst", "load"}   # A's records were withdrawn
+
+
+def test_a_continuation_put_into_the_pool_goes_on_after_its_tokens_wherever_it_runs(pool) -> None:
+    """Issue 41 item 9: a data-parallel rank's request continued on another rank enters the pool
+    with the tokens its client has; whoever runs it (its origin or a thief) goes on after them,
+    and what an earlier request of the same id left in Redis (progress, a lease) counts for nothing."""
+    a, b = pool("a"), pool("b")
+    client = _redis(a)
+    prefix = a._store.prefix
+    for request_id in ("kept", "stolen"):   # left by an earlier holder of these ids (the dead rank's)
+        client.rpush(f"{prefix}:t:{request_id}", 90, 91, 92)
+        client.zadd(f"{prefix}:leases", {request_id: 0})
+    assert a.get_requests(0, timeout=0) == []
+    for request_id, tokens in (("kept", [5, 6]), ("stolen", [7])):
+        a.put_request(Request(request_id, [1, 2, 3], SamplingParams(max_tokens=4), output_token_ids=tokens))
+    (kept,) = _take(a, 1)
+    (stolen,) = _take(b, 1)
+    assert (kept.request_id, kept.output_token_ids) == ("kept", [5, 6])
+    assert (stolen.request_id, stolen.output_token_ids) == ("stolen", [7])
+    b.put_results([_output(stolen, 8)])
+    b.put_results([_output(stolen, 9, finished=True)])
+    a.put_results([_output(kept, 8)])
+    a.put_results([_output(kept, 9, finished=True)])
+    got = _results_until(a, lambda got: sum(o.finished for o in got) == 2)
+    assert _tokens(got) == {"kept": [8, 9], "stolen": [8, 9]}   # the client had the rest already
+    time.sleep(2 * FAST["lease_s"])
+    assert a.stats()["leases_expired"] + b.stats()["leases_expired"] == 0   # the stale lease re-queued nothing
+    assert a.get_requests(4, timeout=0.3) == [] and b.get_requests(4, timeout=0.3) == []
+
+
+def test_a_holder_that_takes_a_request_again_sends_nothing_of_its_old_run(pool) -> None:
+    """Issue 41 item 10: B is slow, its lease runs out, and B takes the same request again. The
+    old run's outputs (and its abort) are fenced on the old lease id, and the engine gets the new
+    run only once it has ended the old one, so the origin's client sees each token once."""
+    a, b = pool("a"), pool("b")
+    assert a.get_requests(0, timeout=0) == []
+    a.put_request(_request("r"))
+    (old,) = _take(b, 1)
+    b.put_results([_output(old, 1)])
+    first = _results_until(a, lambda got: bool(got))
+    b._beat = lambda: None   # B is slow: its lease runs out and A's reaper queues r again at A
+    _until(lambda: a.stats()["leases_expired"] == 1, "the lease to run out")
+    handed: list[Request] = []
+
+    def taken_again() -> bool:   # B's engine has room (a step a call): B takes r again, under a new lease
+        handed.extend(b.get_requests(1, timeout=0))
+        return _redis(a).llen(f"{a._store.prefix}:q:a") == 0
+    _until(taken_again, "B to take r again")
+    del b._beat
+    handed += b.get_requests(1, timeout=0.3)
+    assert handed == [], "the engine got the new run while it still ran the old one"
+    assert b.stats()["deferred"] == 1
+    b.put_results([_output(old, 2)])              # the old run's next token: fenced
+    assert _cancelled(b) == ["r"]
+    b.put_results([RequestOutput("r", finished=True, finish_reason=FinishReason.ABORT, num_prompt_tokens=3,
+                                 num_output_tokens=2)])   # the engine ends the old run: its abort goes nowhere
+    (new,) = _take(b, 1)
+    assert new.output_token_ids == [1]
+    b.put_results([_output(new, 2)])
+    b.put_results([_output(new, 3, finished=True)])
+    rest = _results_until(a, lambda got: any(o.finished for o in got))
+    assert _tokens(first + rest) == {"r": [1, 2, 3]}
+    assert [o.finish_reason for o in rest if o.finished] == [FinishReason.LENGTH]
+    assert b.take_cancelled() == [] and b.stats()["holding_for_peers"] == 0
+
+
+def test_after_a_redis_outage_rejoin_and_drain_no_key_is_left_but_the_members_own(pool, redis_server) -> None:
+    """Issue 41 item 11: Redis stalls (its data kept) longer than socket_timeout_s; both members
+    turn degraded, the origin answers its requests itself, both rejoin. Nothing of those requests
+    (records with their prompts, progress, queues) is left in Redis, and leaving takes the rest."""
+    a, b = pool("a"), pool("b")
+    assert a.get_requests(0, timeout=0) == []
+    for i in range(4):
+        a.put_request(_request(f"r{i}"))
+    held = _take(b, 2)
+    b.put_results([_output(held[0], 5)])
+    first = _results_until(a, lambda got: bool(got))
+    _redis(a).client_pause(int(8 * FAST["socket_timeout_s"] * 1000))   # every client waits: a stall
+    _until(lambda: not (a.stats()["redis_up"] or b.stats()["redis_up"]), "both to lose Redis")
+    local = _take(a, 4)
+    assert {r.request_id: r.output_token_ids for r in local} == {"r0": [5], "r1": [], "r2": [], "r3": []}
+    for request in local:
+        a.put_results([_output(request, 9, finished=True)])
+    done = _results_until(a, lambda got: sum(o.finished for o in got) == 4)
+    assert _tokens(first + done) == {"r0": [5, 9], "r1": [9], "r2": [9], "r3": [9]}
+    assert sorted(_cancelled(b)) == ["r0", "r1"]
+    for request in held:   # the engine ends B's runs
+        b.put_results([RequestOutput(request.request_id, finished=True, finish_reason=FinishReason.ABORT)])
+    _until(lambda: a.stats()["redis_up"] and b.stats()["redis_up"], "both to rejoin", timeout=10)
+    time.sleep(3 * FAST["heartbeat_s"])
+    assert _keys(a) == {"alive:a", "alive:b", "inst", "load"}
+    a.close()
+    b.close()
+    assert _keys(a) == set()
+
+
+def test_no_redis_call_is_made_on_the_engine_s_thread(pool) -> None:
+    """Issue 41 item 16: get_requests, put_results, abort and take_cancelled only touch memory; a
+    thread of the scheduler's own talks to Redis (batching several steps' outputs in one script
+    when Redis is slower than a step)."""
+    import threading
+
+    a, b = pool("a"), pool("b")
+    callers: list[str] = []
+    for member in (a, b):
+        call = member._store._call
+
+        def recording(fn: Any, *args: Any, _call: Any = call, **kwargs: Any) -> Any:
+            callers.append(threading.current_thread().name)
+            return _call(fn, *args, **kwargs)
+
+        member._store._call = recording
+    assert a.get_requests(0, timeout=0) == []
+    engine = threading.current_thread().name
+    for i in range(4):
+        a.put_request(_request(f"r{i}"))       # (the engine's input thread: not a step)
+    callers.clear()
+    held = _take(b, 4)
+    for step in range(30):
+        b.put_results([_output(request, step, finished=step == 29) for request in held])
+        assert b.get_requests(4, timeout=0) == [] and b.take_cancelled() == []
+    got = _results_until(a, lambda got: sum(o.finished for o in got) == 4)
+    assert _tokens(got) == {f"r{i}": list(range(30)) for i in range(4)}
+    assert engine not in callers and callers, callers
+
+
+def test_a_member_with_a_full_kv_cache_or_draining_takes_nothing_from_a_peer(pool) -> None:
+    """Issue 41 item 16: stolen work would wait behind a full KV cache (and its lease be renewed
+    while it waits) where an idle peer could run it; a draining member is leaving."""
+    from fd_core.contracts.resource_manager import KVStats
+
+    a, b = pool("a"), pool("b")
+    assert a.get_requests(0, timeout=0) == []
+    for i in range(3):
+        a.put_request(_request(f"r{i}"))
+    b.note_capacity(KVStats(num_blocks=64, num_free_blocks=0, num_running=3, num_waiting=0))
+    assert b.get_requests(4, timeout=0.5) == []
+    b.note_capacity(KVStats(num_blocks=64, num_free_blocks=20, num_running=3, num_waiting=1))
+    assert b.get_requests(4, timeout=0.5) == []
+    b.note_capacity(KVStats(num_blocks=64, num_free_blocks=20, num_running=3, num_waiting=0))
+    assert [r.request_id for r in _take(b, 1)] == ["r0"]
+    b.drain()
+    assert b.get_requests(4, timeout=0.5) == []
+    assert _redis(a).llen(f"{a._store.prefix}:q:a") == 2   # still A's, for A or another peer
+    b.put_request(_request("own"))                          # a draining member serves its own
+    assert [r.request_id for r in _take(b, 1)] == ["own"]
