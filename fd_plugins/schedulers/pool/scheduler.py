@@ -302,8 +302,8 @@ class GlobalScheduler(Scheduler):
 
     def note_capacity(self, kv: KVStats) -> None:
         """Take requests from Redis (own or peers') only while the KV cache has room to start them:
-        none waits in the resource manager and a block is free."""
-        room = kv.num_waiting == 0 and kv.num_free_blocks > 0
+        none waits in the resource manager and a block is free (or nothing runs at all)."""
+        room = kv.num_waiting == 0 and (kv.num_free_blocks > 0 or kv.num_running == 0)
         if room != self._room:
             with self._lock:
                 self._room = room

@@ -515,3 +515,68 @@ def test_a_member_with_a_full_kv_cache_or_draining_takes_nothing_from_a_peer(poo
     assert _redis(a).llen(f"{a._store.prefix}:q:a") == 2   # still A's, for A or another peer
     b.put_request(_request("own"))                          # a draining member serves its own
     assert [r.request_id for r in _take(b, 1)] == ["own"]
+
+
+def test_an_engine_whose_requests_wait_for_kv_blocks_takes_nothing_from_a_peer(pool, redis_server, tmp_path) -> None:
+    """Issue 41 item 16, through a real engine loop: the core tells the scheduler the resource
+    manager's figures after every step; while a request of B's waits for blocks, A's queued
+    requests stay in Redis (for A, or a peer with room); once B has room again it takes them.
+    A draining engine takes none."""
+    from fd_core.config import load_config
+    from fd_core.engine.builder import build_engine
+    from fd_core.testing.tiny_model import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "model", layers=1, vocab=512, max_position_embeddings=512)
+    options = {**FAST, "url": redis_server.url, "instance_id": "b"}
+    engine = build_engine(load_config(model={"source": str(model), "max_model_len": 512},
+                                      cache={"num_blocks": 4, "block_size": 64},
+                                      scheduler={"name": "global", "options": options}))
+    try:
+        a = pool("a")
+        assert a.get_requests(0, timeout=0) == []
+        queue_of_a = f"{a._store.prefix}:q:a"
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        for i in range(2):   # each needs 3 of the 4 blocks: the second waits for the first
+            engine.add_request(Request(f"b{i}", [(7 * i + j) % 500 + 3 for j in range(130)], params))
+        _until(lambda: engine.step() is not None and engine.resource_manager.stats().num_waiting == 1,
+               "B's second request to wait for blocks")
+        for i in range(2):
+            a.put_request(Request(f"a{i}", [5, 6, 7], params))
+        steps_waiting = 0
+        while engine.step() is not None and engine.resource_manager.stats().num_waiting:
+            time.sleep(0.02)   # (time for B's I/O thread to take, were it to)
+            assert _redis(a).llen(queue_of_a) == 2, "B took A's requests while its own waited for blocks"
+            steps_waiting += 1
+        assert steps_waiting > 0
+        _until(lambda: engine.step() is not None and _redis(a).llen(queue_of_a) == 0, "B to take A's requests")
+        got: list[RequestOutput] = []
+        _until(lambda: engine.step() is not None and (got.extend(a.get_results(timeout=0)) or True)
+               and sum(o.finished for o in got) == 2, "A's requests to be answered through B")
+        engine.drain()
+        a.put_request(Request("a-late", [5, 6, 7], params))
+        for _ in range(20):
+            engine.step()
+            time.sleep(0.02)
+        assert _redis(a).llen(queue_of_a) == 1, "a draining engine took a peer's request"
+    finally:
+        engine.close()
+
+
+def test_a_member_leaving_gives_what_it_held_back_at_once_and_takes_its_keys(pool) -> None:
+    """At shutdown a member's held requests go back to the front of their origin's queue without
+    waiting lease_s (continuing from the tokens routed), and its keys leave Redis."""
+    a, b = pool("a"), pool("b")
+    assert a.get_requests(0, timeout=0) == []
+    a.put_request(_request("r"))
+    (held,) = _take(b, 1)
+    b.put_results([_output(held, 4)])
+    first = _results_until(a, lambda got: bool(got))
+    left_at = time.monotonic()
+    b.close()
+    (again,) = _take(a, 1, timeout=FAST["lease_s"] / 2)
+    assert time.monotonic() - left_at < FAST["lease_s"] and again.output_token_ids == [4]
+    assert a.stats()["leases_expired"] == 0
+    a.put_results([_output(again, 5, finished=True)])
+    rest = _results_until(a, lambda got: any(o.finished for o in got))
+    assert _tokens(first + rest) == {"r": [4, 5]}
+    assert _keys(a) == {"alive:a", "inst", "load"}
