@@ -210,9 +210,11 @@ def test_an_origin_paused_longer_than_a_lease_ends_every_stream_exactly(pool, re
     origin; resumed, A notices at its next heartbeat and serves those requests itself, from the
     tokens its clients have: every stream ends, with the text of one uninterrupted run."""
     a, b = pool
-    starts = [threading.Event() for _ in range(8)]
-    with ThreadPoolExecutor(8) as workers:
-        futures = [workers.submit(_stream, a.url, i, starts[i], LONG_MAX_TOKENS) for i in range(8)]
+    streams = 3 * len(PROMPTS)   # A runs 2 at a time: the rest wait in A's queue or run on B
+    starts = [threading.Event() for _ in range(streams)]
+    with ThreadPoolExecutor(streams) as workers:
+        futures = [workers.submit(_stream, a.url, i % len(PROMPTS), starts[i], LONG_MAX_TOKENS)
+                   for i in range(streams)]
         _wait_for(lambda: _figure(b, "fd_scheduler_holding_for_peers") > 0 and sum(s.is_set() for s in starts) > 2,
                   "B to hold some of A's requests while their streams run")
         paused = [a.proc.pid, a.engine_pid()]
@@ -225,7 +227,8 @@ def test_an_origin_paused_longer_than_a_lease_ends_every_stream_exactly(pool, re
             for pid in paused:
                 os.kill(pid, signal.SIGCONT)
         texts = [future.result(timeout=REQUEST_TIMEOUT_S) for future in futures]
-    assert texts == [reference["long", i] for i in range(8)], "a stream differs from the single-instance answer"
+    assert texts == [reference["long", i % len(PROMPTS)] for i in range(streams)], \
+        "a stream differs from the single-instance answer"
     assert _figure(a, "fd_scheduler_lapses_total") >= 1
     for server in (a, b):
         wait_all_blocks_free(server.url)
@@ -254,3 +257,33 @@ def test_a_data_parallel_rank_s_request_continues_in_the_pool_after_its_tokens(r
         assert metric(metrics(server.url), "fd_dp_requests_continued_total") >= 1
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_a_draining_instance_takes_no_work_from_its_peers(pool, reference) -> None:
+    """Issue 41 item 16: after SIGTERM, B finishes what is in flight (a request whose body is still
+    coming) but takes none of A's queued requests: the front end tells the engine to drain."""
+    a, b = pool
+    release = threading.Event()
+
+    def slow_body() -> Any:   # keeps a request of B's in flight, so B drains until released
+        data = json.dumps({"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}).encode()
+        yield data[:10]
+        release.wait(REQUEST_TIMEOUT_S)
+        yield data[10:]
+
+    with ThreadPoolExecutor(9) as workers:
+        held_open = workers.submit(httpx.post, b.url + "/v1/completions", content=slow_body(),
+                                   headers={"content-type": "application/json"}, timeout=REQUEST_TIMEOUT_S)
+        time.sleep(0.5)
+        taken_before = _figure(a, "fd_scheduler_taken_by_peers_total")
+        b.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)   # (the front end starts its drain at its next tick)
+        try:
+            whole = list(workers.map(lambda i: _complete(a.url, i), range(8)))
+            assert b.proc.poll() is None, "B stopped before A's requests were done: nothing was shown"
+        finally:
+            release.set()
+        held_open.result(timeout=REQUEST_TIMEOUT_S)
+    assert whole == [reference[i] for i in range(8)]
+    assert _figure(a, "fd_scheduler_taken_by_peers_total") == taken_before, "B took A's work while draining"
+    assert b.proc.wait(timeout=60) == 0

@@ -326,6 +326,17 @@ def _until(condition: Callable[[], Any], what: str, timeout: float = 5.0) -> Non
         time.sleep(0.02)
 
 
+def _held_by_b(pool: Callable[..., GlobalScheduler],
+               token: int) -> tuple[GlobalScheduler, GlobalScheduler, Request, list[RequestOutput]]:
+    """A (its engine full) and B; B holds A's request ``r`` and routed ``token``, which A's client has."""
+    a, b = pool("a"), pool("b")
+    assert a.get_requests(0, timeout=0) == []
+    a.put_request(_request("r"))
+    (held,) = _take(b, 1)
+    b.put_results([_output(held, token)])
+    return a, b, held, _results_until(a, lambda got: bool(got))
+
+
 def test_a_lease_that_cannot_outlast_the_heartbeat_s_round_trips_is_refused_naming_the_key() -> None:
     """Between two renewals lie heartbeat_s and up to two Redis calls of socket_timeout_s each
     (the rest of one heartbeat script's call, the start of the next): a shorter lease lets the
@@ -403,12 +414,7 @@ def test_a_holder_that_takes_a_request_again_sends_nothing_of_its_old_run(pool) 
     """Issue 41 item 10: B is slow, its lease runs out, and B takes the same request again. The
     old run's outputs (and its abort) are fenced on the old lease id, and the engine gets the new
     run only once it has ended the old one, so the origin's client sees each token once."""
-    a, b = pool("a"), pool("b")
-    assert a.get_requests(0, timeout=0) == []
-    a.put_request(_request("r"))
-    (old,) = _take(b, 1)
-    b.put_results([_output(old, 1)])
-    first = _results_until(a, lambda got: bool(got))
+    a, b, old, first = _held_by_b(pool, 1)
     b._beat = lambda: None   # B is slow: its lease runs out and A's reaper queues r again at A
     _until(lambda: a.stats()["leases_expired"] == 1, "the lease to run out")
     handed: list[Request] = []
@@ -565,12 +571,7 @@ def test_an_engine_whose_requests_wait_for_kv_blocks_takes_nothing_from_a_peer(p
 def test_a_member_leaving_gives_what_it_held_back_at_once_and_takes_its_keys(pool) -> None:
     """At shutdown a member's held requests go back to the front of their origin's queue without
     waiting lease_s (continuing from the tokens routed), and its keys leave Redis."""
-    a, b = pool("a"), pool("b")
-    assert a.get_requests(0, timeout=0) == []
-    a.put_request(_request("r"))
-    (held,) = _take(b, 1)
-    b.put_results([_output(held, 4)])
-    first = _results_until(a, lambda got: bool(got))
+    a, b, _, first = _held_by_b(pool, 4)
     left_at = time.monotonic()
     b.close()
     (again,) = _take(a, 1, timeout=FAST["lease_s"] / 2)
