@@ -11,7 +11,9 @@ Each step:
 4. the runner computes it and samples;
 5. ``token_processor.process`` turns tokens into outputs and *reports* finishes in them;
 6. the core ends every finished request (:meth:`EngineCore._end`) and
-   ``scheduler.put_results`` routes the outputs to their origin.
+   ``scheduler.put_results`` routes the outputs to their origin; ``scheduler.note_capacity``
+   gets the resource manager's figures of the step (a scheduler that takes work from other
+   instances takes none while no request could start here).
 
 **One owner of a request's end.** Once a request has left the scheduler, :meth:`_end` is the
 only code that ends it, for every reason (stop, length, abort, error): it frees its blocks
