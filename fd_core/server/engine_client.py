@@ -119,7 +119,8 @@ class EngineClient:
         """``name`` prefixes every reason it gives (a data-parallel rank); ``cpus`` pins the
         engine process to those CPUs (None: it runs where the front end may); ``rescue(stream)``
         is offered each open stream when the engine dies while serving, and a stream it takes
-        (returns True) is not failed: it continues elsewhere (see :meth:`adopt`)."""
+        (returns True) is not failed: it continues elsewhere (see :meth:`adopt`), also when its
+        requests were not acknowledged yet (:meth:`add` then returns it)."""
         self.config = config
         self.name = name
         self._cpus = cpus
@@ -233,9 +234,11 @@ class EngineClient:
             raise errors[0]
         return stream
 
-    def adopt(self, stream: RequestStream, requests: list[Request]) -> None:
+    def adopt(self, stream: RequestStream, requests: list[Request],
+              on_refused: Callable[[], None] | None = None) -> None:
         """Continue another engine's ``stream`` here with ``requests`` (continuations of its
-        unfinished ones); a refusal fails the stream with the reason. Never blocks."""
+        unfinished ones); a refusal fails the stream with the reason, then calls ``on_refused()``.
+        Never blocks."""
         self._check_alive()
         stream._client = self
         loop = asyncio.get_running_loop()
@@ -254,6 +257,8 @@ class EngineClient:
             if error is not None:
                 stream._put(EngineDeadError(f"{self.name or 'the engine'} could not take the request over: {error}"))
                 stream.close()
+                if on_refused is not None:
+                    on_refused()
 
         self._tasks.append(asyncio.create_task(settle(), name="fd-adopt"))
 
@@ -334,6 +339,8 @@ class EngineClient:
             log.error("ignoring an engine message of unknown kind %r", kind)
 
     def _route(self, items: list[list[Any]]) -> None:
+        if self.state is EngineState.DEAD:
+            return  # read after the death: its streams already failed, or go on elsewhere from what was delivered
         for item in items:
             output = wire.decode_output(item)
             if output.finished and self._on_finished is not None:
@@ -384,15 +391,17 @@ class EngineClient:
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)
             self._ready.exception()  # start() may have stopped waiting; mark it retrieved
-        for future in [*self._acks.values(), *self._stats.values()]:
-            if not future.done():
-                future.set_exception(error)
         streams = set(self._streams.values())
         self._streams.clear()
         for stream in streams:
             if self.state is EngineState.DEAD and self._rescue is not None and self._rescue(stream):
-                continue
-            stream._put(error)
+                for request_id in stream.request_ids:  # taken over elsewhere: nothing to refuse
+                    self._resolve(request_id, None)
+            else:
+                stream._put(error)
+        for future in [*self._acks.values(), *self._stats.values()]:
+            if not future.done():
+                future.set_exception(error)
 
 
 def _reject_error(kind: str, field: str | None, text: str) -> FdError:
