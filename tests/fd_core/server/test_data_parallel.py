@@ -246,3 +246,22 @@ def test_a_refused_continuation_fails_its_stream_and_leaves_no_load_behind(tiny_
         assert await _all_blocks_free(client)
 
     _run_ranks(tiny_model, body, size=3, engine={"max_num_seqs": 1}, server={"max_queue_size": 1})
+
+
+def test_a_continuation_whose_new_rank_dies_before_acknowledging_it_moves_on_again(tiny_model) -> None:
+    async def body(client, finished):
+        reference = await _tokens(await client.add([_request("ref", 200)]))
+        outputs = aiter(await client.add([_request("x", 200)]))                # rank 0 (all idle)
+        first = await anext(outputs)
+        _kill(client, 1, signal.SIGSTOP)                                        # rank 1 cannot acknowledge
+        _kill(client, 0)
+        await _until(lambda: client.num_rescued == 1, "the continuation to be sent to rank 1")
+        _kill(client, 1)
+        rest = await _tokens(outputs)
+        assert first.new_token_ids + rest["x"] == reference["ref"]
+        assert client.num_rescued == 2
+        assert [o.request_id for o in finished].count("x") == 1
+        assert await _in_flight(client) == [0, 0, 0]
+        assert await _all_blocks_free(client)
+
+    _run_ranks(tiny_model, body, size=3)
