@@ -169,8 +169,7 @@ class EngineClient:
         try:
             await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except asyncio.TimeoutError:
-            self._die(f"the engine did not start within {timeout:g} s (server.engine_start_timeout_s)")
-            process.kill()
+            self._give_up(f"the engine did not start within {timeout:g} s (server.engine_start_timeout_s)")
             raise EngineStartError(self.dead_reason or "") from None
         except EngineDeadError as exc:
             raise EngineStartError(str(exc)) from None
@@ -300,7 +299,7 @@ class EngineClient:
                 await self._push.send(await self._outbox.get())
         except Exception as exc:  # nothing reaches the engine any more: say so instead of hanging
             log.exception("the engine sender failed")
-            self._die(f"the front end cannot send to the engine any more ({type(exc).__name__}: {exc})")
+            self._give_up(f"the front end cannot send to the engine any more ({type(exc).__name__}: {exc})")
 
     async def _read_loop(self) -> None:
         try:
@@ -308,7 +307,7 @@ class EngineClient:
                 self._handle(wire.unpack(await self._pull.recv()))
         except Exception as exc:  # streams would hang while /health said ok: mark the engine dead
             log.exception("the engine reader failed")
-            self._die(f"the front end stopped reading the engine's outputs ({type(exc).__name__}: {exc})")
+            self._give_up(f"the front end stopped reading the engine's outputs ({type(exc).__name__}: {exc})")
 
     def _handle(self, message: list[Any]) -> None:
         """Act on one message from the engine process."""
@@ -373,6 +372,13 @@ class EngineClient:
             self._die(f"the engine process died during start-up ({self.stage}): {how}")
         else:
             self._die(f"the engine process died: {how}")
+
+    def _give_up(self, reason: str) -> None:
+        """The engine is dead to the front end though its process may still run: kill that, so that
+        it does not hold its memory and compute requests that continue elsewhere (data parallel)."""
+        self._die(reason)
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
 
     def _die(self, reason: str) -> None:
         if self.state is EngineState.DEAD:

@@ -132,15 +132,21 @@ def _request(request_id: str, max_tokens: int, prompt: list[int] = PROMPT_IDS[0]
     return Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-def _run_ranks(tiny_model: Path, body, size: int = 2, **settings):
+def _run_ranks(tiny_model: Path, body, size: int = 2, observe=None, **settings):
     """Run ``body(client, finished)`` against a started DataParallelClient of ``size`` ranks;
-    ``finished`` collects every final output it passes on (what /metrics counts)."""
+    ``finished`` collects every final output it passes on (what /metrics counts), each also
+    given to ``observe`` when set."""
     config = load_config(model={"source": str(tiny_model)}, cache={"num_blocks": 128},
                          parallel={"data_parallel_size": size}, **settings)
     finished: list[RequestOutput] = []
 
+    def on_finished(output: RequestOutput) -> None:
+        finished.append(output)
+        if observe is not None:
+            observe(output)
+
     async def main():
-        client = DataParallelClient(config, log_level="WARNING", on_finished=finished.append)
+        client = DataParallelClient(config, log_level="WARNING", on_finished=on_finished)
         try:
             await client.start(timeout=START_TIMEOUT_S)
             return await body(client, finished)
@@ -265,3 +271,26 @@ def test_a_continuation_whose_new_rank_dies_before_acknowledging_it_moves_on_aga
         assert await _all_blocks_free(client)
 
     _run_ranks(tiny_model, body, size=3)
+
+
+def test_a_rank_the_front_end_gives_up_on_is_killed_and_its_requests_continue_elsewhere(tiny_model) -> None:
+    def observe(output):
+        if output.request_id == "boom":
+            raise RuntimeError("metrics bug")
+
+    async def body(client, finished):
+        reference = await _tokens(await client.add([_request("ref", 200)]))
+        x = aiter(await client.add([_request("x", 200)]))                      # rank 0
+        other = await client.add([_request("other", 300)])                     # rank 1
+        boom = await client.add([_request("boom", 4)])                          # rank 0: its final breaks the reader
+        with pytest.raises(EngineDeadError, match="rank 0: the front end stopped reading .*metrics bug"):
+            await _tokens(boom)
+        process = client.ranks[0]._process
+        await asyncio.get_running_loop().run_in_executor(None, process.join, 20)
+        assert process.exitcode == -signal.SIGKILL, "rank 0 was left running its requests"
+        assert (await _tokens(x))["x"] == reference["ref"]
+        await _tokens(other)
+        assert await _in_flight(client) == [0, 0]
+        assert await _all_blocks_free(client)
+
+    _run_ranks(tiny_model, body, observe=observe)
