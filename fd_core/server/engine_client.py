@@ -8,8 +8,11 @@ task) and a reader that routes OUTPUTS to the :class:`RequestStream` owning each
 The engine's life is watched through its process sentinel: when it exits unexpectedly it is
 reaped, and every pending acknowledgement and every open stream fails with
 :class:`EngineDeadError` naming how it ended (exit code, or signal and likely cause) and, during
-start-up, the stage it was in; no request hangs. ``on_dead(reason)`` then tells the server,
-which exits so that a supervisor restarts it (docs/server.md).
+start-up, the stage it was in; no request hangs (a data-parallel rank's streams are offered to
+``rescue`` first, see :mod:`fd_core.server.data_parallel`). Outputs read after that are dropped.
+An engine the front end gives up on while its process runs (it cannot read or send) is killed.
+``on_dead(reason)`` then tells the server, which exits so that a supervisor restarts it
+(docs/server.md).
 """
 
 from __future__ import annotations
@@ -233,8 +236,7 @@ class EngineClient:
             raise errors[0]
         return stream
 
-    def adopt(self, stream: RequestStream, requests: list[Request],
-              on_refused: Callable[[], None] | None = None) -> None:
+    def adopt(self, stream: RequestStream, requests: list[Request], on_refused: Callable[[], None]) -> None:
         """Continue another engine's ``stream`` here with ``requests`` (continuations of its
         unfinished ones); a refusal fails the stream with the reason, then calls ``on_refused()``.
         Never blocks."""
@@ -256,8 +258,7 @@ class EngineClient:
             if error is not None:
                 stream._put(EngineDeadError(f"{self.name or 'the engine'} could not take the request over: {error}"))
                 stream.close()
-                if on_refused is not None:
-                    on_refused()
+                on_refused()
 
         self._tasks.append(asyncio.create_task(settle(), name="fd-adopt"))
 
