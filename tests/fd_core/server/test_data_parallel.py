@@ -234,7 +234,8 @@ def test_a_refused_continuation_fails_its_stream_and_leaves_no_load_behind(tiny_
     prompt = len(PROMPT_IDS[0])
 
     async def body(client, finished):
-        first = await client.add([_request("r0", 150)])    # rank 0, running (one sequence per rank)
+        first = aiter(await client.add([_request("r0", 150)]))   # rank 0 (one sequence per rank)
+        await anext(first)                                         # running: the next one on rank 0 waits
         doomed = await client.add([_request("x", 450)])    # rank 1
         third = await client.add([_request("r2", 400)])    # rank 2, running
         queued = await client.add([_request("q0", 20)])    # rank 0 (least loaded): queued, its queue now full
