@@ -280,13 +280,13 @@ class Deployment:
         server = self.members[fault.target]
         if server is None:
             return
+        downtime = Downtime(self.now())   # before the kill: its clients may hear of it at once
+        self.downtimes[fault.target].append(downtime)
+        self.members[fault.target] = None
         for pid in server.engine_pids():
             os.kill(pid, signal.SIGKILL)
         server.proc.kill()
         server.stop()
-        self.members[fault.target] = None
-        downtime = Downtime(self.now())
-        self.downtimes[fault.target].append(downtime)
         if fault.restart:
             time.sleep(fault.hold_s)
             restarted = self._spawn(fault.target)
@@ -442,6 +442,10 @@ class Result:
     violations: list[str] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
 
+    def summary(self) -> str:
+        exact = sum(o.error is None for o in self.outcomes)
+        return f"{exact} of {len(self.outcomes)} answered exactly, {len(self.outcomes) - exact} with an error"
+
     def report(self) -> str:
         errors = "\n".join(f"  {o.call.entry} at {o.sent:.2f}s: {o.error}" for o in self.outcomes if o.error)
         return (f"{self.plan.describe()}\nerrors:\n{errors or '  none'}\n"
@@ -474,6 +478,8 @@ def run_seed(shape: Shape, seed: int, folder: Path, model: Path, reference: dict
             lambda: key_violations(shape, deployment.redis.url, set(live))]
         for check in checks:
             result.violations += check()
+        if shape is SPLITWISE and deployment.cutters["d"].accepted == 0:   # the prefill side's KV goes through it
+            result.violations.append("no connection went through the decode instance's link cutter")
     return result
 
 
@@ -492,7 +498,8 @@ def main() -> None:
     failed = []
     for seed in range(start, stop):
         result = run_seed(SHAPES[args.shape], seed, args.folder / f"{args.shape}-{seed}", model, reference)
-        print(f"{args.shape} seed {seed}: {'ok' if not result.violations else 'FAILED'}", flush=True)
+        print(f"{args.shape} seed {seed}: {'ok' if not result.violations else 'FAILED'} ({result.summary()})",
+              flush=True)
         if result.violations:
             failed.append(seed)
             print(result.report(), flush=True)

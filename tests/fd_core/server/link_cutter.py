@@ -22,6 +22,7 @@ class LinkCutter:
         self._lock = threading.Lock()
         self._open: list[socket.socket] = []
         self.cuts = 0
+        self.accepted = 0   # connections forwarded so far
         threading.Thread(target=self._accept, name=f"link-cutter-{listen[1]}", daemon=True).start()
 
     def _accept(self) -> None:
@@ -38,6 +39,7 @@ class LinkCutter:
             upstream.settimeout(None)
             with self._lock:
                 self._open += [client, upstream]
+                self.accepted += 1
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
 
