@@ -110,7 +110,7 @@ class ShmConnector(ZmqConnector):
     def forget_peer(self, peer: str) -> None:
         super().forget_peer(peer)
         self._unmap(peer)
-        held = [[slot, generation] for slot, (holder, generation) in self._slot_holder.items() if holder == peer]
+        held = self._held_by(peer)
         if not held:
             return
         if _process_alive(peer):   # its inbox may still hold their notices: it gives them up itself
@@ -182,7 +182,18 @@ class ShmConnector(ZmqConnector):
             super().send(sender, {"kind": _FREE, "slots": [[slot, generation]]})
         self._to_release.clear()
 
+    def _may_close(self, peer: str) -> bool:
+        """Not while a live ``peer`` holds slots: closing would drop their notices, and the slots with them."""
+        if not _process_alive(peer):
+            self._take_back(peer, self._held_by(peer))
+            return True
+        return not self._held_by(peer)
+
     # --- sending -------------------------------------------------------------------------------
+
+    def _held_by(self, peer: str) -> list[list[int]]:
+        """The slots ``peer`` holds, as [slot, generation] pairs."""
+        return [[slot, generation] for slot, (holder, generation) in self._slot_holder.items() if holder == peer]
 
     def _take_slot(self, size: int) -> int | None:
         if self._segment is None:
@@ -217,8 +228,7 @@ class ShmConnector(ZmqConnector):
     def _take_back_from_dead_holders(self) -> None:
         for holder in {holder for holder, _ in self._slot_holder.values()}:
             if not _process_alive(holder):
-                self._take_back(holder, [[slot, generation] for slot, (peer, generation) in
-                                         self._slot_holder.items() if peer == holder])
+                self._take_back(holder, self._held_by(holder))
 
     def _create_segment(self, slot_bytes: int) -> None:
         total = self.settings.buffer_mb << 20

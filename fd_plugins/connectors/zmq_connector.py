@@ -247,6 +247,10 @@ class ZmqConnector(Connector):
     def _released(self) -> None:
         """The last delivery's buffers may go (the contract keeps them until the next receive)."""
 
+    def _may_close(self, peer: str) -> bool:
+        """Whether the connection to ``peer``, idle for ``peer_idle_s``, may be closed."""
+        return True
+
     # --- internals -----------------------------------------------------------------------------
 
     def _read_inbox(self) -> tuple[str, dict[str, Any], list[memoryview]] | None:
@@ -283,7 +287,8 @@ class ZmqConnector(Connector):
         if now < self._next_idle_check:
             return
         self._next_idle_check = now + min(1.0, self.settings.peer_idle_s)
-        for peer in [peer for peer, sent in self._last_sent.items() if now - sent > self.settings.peer_idle_s]:
+        idle = [peer for peer, sent in self._last_sent.items() if now - sent > self.settings.peer_idle_s]
+        for peer in filter(self._may_close, idle):
             self._peers.pop(peer).close(linger=0)
             del self._last_sent[peer]
             self._stats["peers_closed_idle"] += 1

@@ -17,6 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 from fd_core.contracts.connector import Delivery
 from fd_plugins.connectors.curve import split_address
 from fd_plugins.connectors.zmq_connector import ZmqConnector, ZmqConnectorSettings
+from tests.conftest import run_fd_serve
 
 
 def _open_fds() -> int:
@@ -245,3 +246,20 @@ def test_the_secret_key_is_never_shown():
     assert "curve_secret_key" in str(refused.value) and secret[:-1] not in str(refused.value)
     with pytest.raises(ValidationError, match="needs curve_secret_key"):
         ZmqConnectorSettings(curve_peer_keys=[public])
+
+
+def test_fd_serve_check_masks_the_secret_key_and_its_errors_name_the_key_not_the_value(tmp_path):
+    config = tmp_path / "decode.toml"
+    config.write_text('[splitwise]\nrole = "decode"\n[scheduler]\nname = "splitwise"\n'
+                      'options = {url = "redis://127.0.0.1:1"}\n[connector]\nname = "zmq"\n')
+    _, secret = _keys()
+    checked = run_fd_serve("--config", str(config), "--check", env={"FD_CONNECTOR__OPTIONS__CURVE_SECRET_KEY": secret})
+    assert checked.returncode == 0, checked.stderr
+    assert json.loads(checked.stdout)["connector"]["options"]["curve_secret_key"] == "**********"
+    assert secret not in checked.stdout + checked.stderr
+    mistyped = secret[:-1] + "~"
+    refused = run_fd_serve("--config", str(config), "--check",
+                           env={"FD_CONNECTOR__OPTIONS__CURVE_SECRET_KEY": mistyped})
+    assert refused.returncode != 0
+    assert "connector.options.curve_secret_key: the value is not a Z85 CURVE key" in refused.stderr
+    assert mistyped[:-1] not in refused.stdout + refused.stderr
