@@ -134,6 +134,7 @@ class ZmqConnector(Connector):
         self._stats = {"messages_sent": 0, "messages_received": 0, "bytes_sent": 0, "bytes_received": 0,
                        "messages_not_taken": 0, "peers_closed_idle": 0, "messages_refused": 0, "peers_refused": 0}
         self._next_refusal_log = 0.0
+        self._refused_peers: set[str] = set()   # peers not sent to, each logged once
 
     # --- the contract --------------------------------------------------------------------------
 
@@ -298,9 +299,7 @@ class ZmqConnector(Connector):
         endpoint, server_key = split_address(peer)
         refusal = self._why_not_send_to(server_key)
         if refusal is not None:
-            self._stats["peers_refused"] += 1
-            log.warning("connector: nothing is sent to %s: %s", peer, refusal)
-            return None
+            return self._refuse_peer(peer, refusal)
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, self.settings.send_hwm)
@@ -312,11 +311,16 @@ class ZmqConnector(Connector):
             socket.connect(endpoint)
         except zmq.ZMQError as exc:
             socket.close(linger=0)
-            self._stats["peers_refused"] += 1
-            log.warning("connector: nothing is sent to %r: not an address zmq can connect to (%s)", peer[:200], exc)
-            return None
+            return self._refuse_peer(peer, f"not an address zmq can connect to ({exc})")
         self._peers[peer] = socket
         return socket
+
+    def _refuse_peer(self, peer: str, why: str) -> None:
+        """Count a send not made to ``peer``; say why in the log, once a peer."""
+        self._stats["peers_refused"] += 1
+        if peer not in self._refused_peers:
+            self._refused_peers.add(peer)
+            log.warning("connector: nothing is sent to %r: %s", peer[:200], why)
 
     def _why_not_send_to(self, server_key: bytes | None) -> str | None:
         if self._curve is None:
