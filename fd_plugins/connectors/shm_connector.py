@@ -304,7 +304,8 @@ class ShmConnector(ZmqConnector):
 def _process_alive(address: str) -> bool:
     """Whether the process behind a shm ``address`` runs (True when the address names no pid).
 
-    A zombie (dead, not yet reaped by its parent) counts as gone where ``/proc`` tells.
+    A zombie (dead, not yet reaped by its parent) counts as gone where ``/proc`` tells; a pid
+    another process took over counts as alive (what waits for the dead one then waits on).
     """
     match = re.search(r"\.(\d+)\.sock$", address)
     if match is None:
