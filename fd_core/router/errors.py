@@ -40,7 +40,7 @@ def backend_failed(backend: Backend, cause: str, *, streaming: bool) -> ApiError
                     type="server_error", code=BACKEND_FAILED)
 
 
-def too_busy(limit: int) -> ApiError:
-    return too_many_requests(f"too many requests in flight through the router ({limit}, router.max_concurrency); "
-                             "retry later")
+def too_busy(in_flight: int, limit: int) -> ApiError:
+    return too_many_requests(f"too many requests: {in_flight} in flight through the router, the most "
+                             f"router.max_concurrency ({limit}) allows; retry later")
 

@@ -115,7 +115,7 @@ class Forwarder:
         """Forward a generation request (POST ``path``); holds one of ``router.max_concurrency`` slots
         from before its body is read until its answer ends."""
         if self.in_flight >= self._max_concurrency:
-            raise too_busy(self._max_concurrency)
+            raise too_busy(self.in_flight, self._max_concurrency)
         self.in_flight += 1
         handed_over = False  # once a stream is built, it frees the slot when it ends
         try:
