@@ -252,6 +252,9 @@ class ServerSection(_Section):
     max_queue_size: int = Field(1024, gt=0, description="Requests queued in the engine beyond this get 429.")
     max_body_bytes: int = Field(
         8 * 2**20, gt=0, description="Request bodies larger than this (bytes, default 8 MiB) get 413 unread.")
+    max_header_bytes: int = Field(
+        128 * 2**10, ge=1024, description="Request heads (request line and headers) larger than this (bytes, "
+                                          "default 128 KiB) get 431.")
     shutdown_timeout_s: float = Field(
         30.0, ge=0, description="How long SIGTERM waits for in-flight requests; those still running then get 503 "
                                 "(a stream: an error event, then [DONE]).")

@@ -3,8 +3,9 @@
 One loop serves the offline ``LLM``, the asyncio client and the server's engine process.
 Each step:
 
-1. apply aborts that other threads asked for (they only queue an id and wake the loop) and
-   end the requests the scheduler gave up (``take_cancelled``);
+1. apply aborts that other threads asked for (a request still queued is withdrawn from the
+   scheduler by :meth:`EngineCore.abort` itself; one the engine holds is queued for the loop)
+   and end the requests the scheduler gave up (``take_cancelled``);
 2. take new requests from the request scheduler while the resource manager has room for them
    (the rest stay in the scheduler, where its ordering hook, TTL and size limit apply);
 3. ``resource_manager.schedule()`` plans the batch;
@@ -173,9 +174,24 @@ class EngineCore:
                               f"{type(exc).__name__}: {exc}") from exc
 
     def abort(self, request_id: str) -> None:
-        """Ask the loop to abort a request; its blocks are freed at the start of the next step."""
+        """Abort a request. One still queued in the scheduler is withdrawn (and answered) before this
+        returns, so that its place in the queue is free for the next request (a refused request's
+        choices must not keep a request that fits out); the loop ends one it holds at the start of
+        the next step and frees its blocks."""
+        if self._withdraw(request_id):
+            return
         self._aborts.append(request_id)
         self.wake()
+
+    def _withdraw(self, request_id: str) -> bool:
+        """``scheduler.abort`` on the caller's thread; False when the request was not queued or the
+        plugin failed (the loop then tries again)."""
+        try:
+            return self.scheduler.abort(request_id)
+        except Exception:
+            log.exception("%s: abort failed on request %r; retried by the engine loop",
+                          plugin_label(self.scheduler), request_id)
+            return False
 
     def get_results(self, timeout: float | None) -> list[RequestOutput]:
         """Outputs routed back to this origin (see Scheduler.get_results); a final one frees its id."""

@@ -140,8 +140,9 @@ class GlobalScheduler(Scheduler):
     def put_request(self, request: Request) -> None:
         with self._lock:
             if len(self._originated) >= self.max_queue_size:
-                raise QueueFullError(f"request queue is full ({self.max_queue_size} requests of this instance "
-                                     "unanswered; raise server.max_queue_size or retry)")
+                raise QueueFullError(f"request queue is full: {len(self._originated)} of this instance's requests "
+                                     f"unanswered, the most server.max_queue_size ({self.max_queue_size}) allows; "
+                                     "retry, or raise it")
             record = self._originated[request.request_id] = _Originated(request)
             if self._degraded is not None:
                 self._queue_locally(record)
