@@ -40,6 +40,7 @@ class _Job:
     attempt: int
     heard: float            # last message from the decode side (monotonic)
     computing: bool = False # handed to the engine
+    done_sent: bool = False # every block and DONE were taken by the connector (link thread)
 
 
 class PrefillSide(LinkedSide):
@@ -89,22 +90,19 @@ class PrefillSide(LinkedSide):
             token = result.sampled.pop(request_id)
             fields = protocol.token_fields(token.token_id, token.logprob, token.top_logprobs)
             num_blocks = len(prompt_blocks)
-            self._link.call(lambda j=job, n=num_blocks, t=fields: self._send(
-                j.origin, protocol.DONE, id=j.remote_id, attempt=j.attempt, blocks=n, token=t))
+            self._link.call(lambda j=job, n=num_blocks, t=fields: self._send_done(j, n, t))
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._shipping
 
-    def close(self) -> None:
-        """Tell every decode side with an open hand-off here to ask elsewhere, then stop."""
-        if self._link.closed:
-            return
+    def _say_goodbye(self) -> set[str]:
+        """Tell every decode side with an open hand-off here to ask elsewhere."""
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
             self._link.call(lambda j=job: self._send(j.origin, protocol.ABORT, id=j.remote_id, attempt=j.attempt,
                                                      reason="the prefill instance is shutting down"))
-        super().close()
+        return {job.origin for job in jobs}
 
     def forget(self, request_id: str) -> None:
         self._shipping.discard(request_id)
@@ -156,7 +154,7 @@ class PrefillSide(LinkedSide):
                 if now - job.heard > self.settings.stall_timeout_s:
                     stalled.append(job)
                 else:
-                    open_by_peer.setdefault(job.origin, []).append([job.remote_id, job.attempt])
+                    open_by_peer.setdefault(job.origin, []).append([job.remote_id, job.attempt, job.done_sent])
         self._send_alive(open_by_peer)
         for job in stalled:
             self._send(job.origin, protocol.ABORT, id=job.remote_id, attempt=job.attempt,
@@ -199,13 +197,40 @@ class PrefillSide(LinkedSide):
         self._wake_engine()
 
     def _ship(self, job: _Job, index: int, block_id: int) -> None:
-        with self._lock:
-            if self._jobs.get(job.request.request_id) is not job:
-                return   # ended meanwhile; its blocks may already be someone else's
+        if not self._is_open(job):
+            return   # ended meanwhile; its blocks may already be someone else's
         buffers = self.kv.read(block_id)
         if self._send(job.origin, protocol.BLOCK, buffers, id=job.remote_id, attempt=job.attempt, index=index):
             self._count("blocks_sent")
             self._count("bytes_sent", sum(b.nbytes for b in buffers))
+        else:
+            self._give_up(job, f"block {index} was not taken by the connector (the decode side's queue is full)")
+
+    def _send_done(self, job: _Job, num_blocks: int, token: list[object]) -> None:
+        """Send DONE once every block went; from then on ALIVE says so, which lets the decode side
+        tell a DONE lost on the way from one not sent yet."""
+        if not self._is_open(job):
+            return
+        if not self._send(job.origin, protocol.DONE, id=job.remote_id, attempt=job.attempt, blocks=num_blocks,
+                          token=token):
+            self._give_up(job, "DONE was not taken by the connector (the decode side's queue is full)")
+            return
+        with self._lock:
+            job.done_sent = True
+
+    def _give_up(self, job: _Job, reason: str) -> None:
+        """End a job whose hand-off cannot complete: tell the decode side (it asks again, or after
+        ``stall_timeout_s`` if this is lost too) and free the blocks."""
+        self._send(job.origin, protocol.ABORT, id=job.remote_id, attempt=job.attempt, reason=reason)
+        with self._lock:
+            if self._jobs.get(job.request.request_id) is job:
+                self._end(job, FinishReason.ABORT, f"the hand-off was given up: {reason}")
+                self._counters["jobs_given_up"] += 1
+        self._wake_engine()
+
+    def _is_open(self, job: _Job) -> bool:
+        with self._lock:
+            return self._jobs.get(job.request.request_id) is job
 
     def _end(self, job: _Job, reason: FinishReason, error: str | None) -> None:
         """Drop a job (caller holds the lock); one the engine holds is ended there next step."""
