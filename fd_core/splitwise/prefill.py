@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 class _Job:
     """A prompt computed for a decode instance."""
 
-    request: Request        # local copy; its id is ``<decode side's id>@<decode side's address>``
+    request: Request        # local copy; its id is ``<decode side's id>#<attempt>@<decode side's address>``
     origin: str             # the decode side's address
     remote_id: str
     attempt: int
@@ -130,14 +130,14 @@ class PrefillSide(LinkedSide):
         if kind == protocol.ALIVE:
             with self._lock:
                 for remote_id, attempt in message["open"]:
-                    job = self._jobs.get(_local_id(remote_id, delivery.sender))
-                    if job is not None and job.attempt == attempt:
+                    job = self._jobs.get(_local_id(remote_id, attempt, delivery.sender))
+                    if job is not None:
                         job.heard = time.monotonic()
             return
-        local_id = _local_id(message["id"], delivery.sender)
+        local_id = _local_id(message["id"], message["attempt"], delivery.sender)
         with self._lock:
             job = self._jobs.get(local_id)
-            if job is None or job.attempt != message["attempt"]:
+            if job is None:
                 return
             if kind == protocol.ACK:
                 self._end(job, FinishReason.LENGTH, None)
@@ -173,14 +173,14 @@ class PrefillSide(LinkedSide):
 
     def _on_prefill(self, origin: str, message: dict[str, Any]) -> None:
         remote = wire.decode_request(message["request"])
-        local = dataclasses.replace(remote, request_id=_local_id(remote.request_id, origin),
+        local = dataclasses.replace(remote, request_id=_local_id(remote.request_id, message["attempt"], origin),
                                     output_token_ids=[])
         refusal = None
         if message["layout"] != self.me.layout:
             refusal = f"KV layout differs: {message['layout']} here is {self.me.layout}"
         with self._lock:
-            old = self._jobs.get(local.request_id)
-            if old is not None:   # a retry of ours: the decode side moved on from the earlier attempt
+            for old in [j for j in self._jobs.values() if j.origin == origin and j.remote_id == remote.request_id]:
+                # an earlier attempt (its ABORT lost): the decode side moved on from it
                 self._end(old, FinishReason.ABORT, "superseded by a later attempt")
             if refusal is None and len(self._queued) >= self.max_queued:
                 refusal = f"its queue is full ({self.max_queued} prompts, server.max_queue_size)"
@@ -261,5 +261,7 @@ class ShippingIsNotAVictim:
         return others[-1] if others else needed_by
 
 
-def _local_id(remote_id: str, origin: str) -> str:
-    return f"{remote_id}@{origin}"
+def _local_id(remote_id: str, attempt: int, origin: str) -> str:
+    """The engine's id of one attempt: each is a request of its own here (an attempt given up may
+    still be in the engine, ending, when the next one arrives)."""
+    return f"{remote_id}#{attempt}@{origin}"

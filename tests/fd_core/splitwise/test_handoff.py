@@ -243,16 +243,17 @@ def test_a_stopped_redis_holds_up_no_hand_off(tiny_model_dir, redis_server):
 NO_STALL = {"stall_timeout_s": 60.0}
 
 
-def _lose_first(engine, kind: str) -> list[dict]:
+def _lose_first(engine, kind: str, *, taken: bool = True) -> list[dict]:
     """Make ``engine``'s real connector lose the first ``kind`` message it is given: reported as
-    taken, as a message lost on the way is (a full queue, a socket closed with it queued)."""
+    taken, as a message lost on the way is (a socket closed with it queued), or (``taken=False``)
+    refused, as by a full send queue."""
     connector = engine.handoff.connector
     send, lost = connector.send, []
 
     def lossy(peer, message, buffers=()):
         if message["kind"] == kind and not lost:
             lost.append(message)
-            return True
+            return taken
         return send(peer, message, buffers)
 
     connector.send = lossy
@@ -271,6 +272,21 @@ def test_a_done_lost_on_the_way_is_asked_again_and_the_output_is_unchanged(tiny_
         assert lost and [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
         figures = decode.stats().splitwise
         assert figures["prefill_attempts_failed"] == 1 and figures["transfers_done"] == 1
+        _drain_blocks([prefill, decode])
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_done_the_connector_does_not_take_ends_the_hand_off_on_both_sides(tiny_model_dir, redis_server):
+    prefill = build_engine(_config(tiny_model_dir, redis_server.url, "prefill", handoff=NO_STALL))
+    decode = build_engine(_config(tiny_model_dir, redis_server.url, "decode", handoff=NO_STALL))
+    try:
+        refused = _lose_first(prefill, protocol.DONE, taken=False)
+        outputs = _run_all([prefill, decode], [Request("r", PROMPTS[0], SamplingParams(max_tokens=4))], decode)["r"]
+        assert refused and outputs[-1].finish_reason.value == "error"   # the only prefill instance was tried
+        assert f"{prefill.handoff.me.instance_id}: DONE was not taken by the connector" in outputs[-1].error
+        assert prefill.stats().splitwise["jobs_given_up"] == 1
         _drain_blocks([prefill, decode])
     finally:
         decode.close()
