@@ -212,8 +212,10 @@ class SplitwiseSection(_Section):
         "How often each side of an open hand-off tells the other it is still there."))
     stall_timeout_s: float = Field(10.0, gt=0, description=(
         "A hand-off that hears nothing from the other side for this long is given up and both sides free "
-        "its blocks (the decode side asks another prefill instance, and waits this long for one to be "
-        "registered); must be at least 2 x heartbeat_s."))
+        "its blocks (the decode side asks another prefill instance); must be at least 2 x heartbeat_s."))
+    peer_wait_s: float = Field(10.0, gt=0, description=(
+        "How long a request on a decode instance waits for a usable prefill instance (none registered, "
+        "none fit, or every one tried already) before it ends with an error saying none was available."))
     max_prefill_attempts: int = Field(3, gt=0, description=(
         "Prefill instances a decode instance tries for one request before it answers with an error."))
 
