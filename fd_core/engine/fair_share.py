@@ -1,10 +1,10 @@
 """Fair sharing of the engine's ``max_num_seqs`` slots between client calls.
 
 A client call with ``n`` choices reaches the engine as ``n`` sibling requests sharing
-``Request.group_id`` (a request without one is a call of its own); each holds one of the
-``max_num_seqs`` slots while the resource manager has it, for as long as it decodes. Without a
-rule, one call with ``n >= max_num_seqs`` and long outputs holds every slot for its whole
-length, and any other request waits that long (issue 41 item 20).
+``Request.group_id`` (``Request.call_id``; a request without one is a call of its own); each
+holds one of the ``max_num_seqs`` slots while the resource manager has it, for as long as it
+decodes. Without a rule, one call with ``n >= max_num_seqs`` and long outputs holds every slot
+for its whole length, and any other request waits that long (issue 41 item 20).
 
 The rule (``engine.fair_share``, on by default). A call's *share* is ``max_num_seqs // G``
 (at least 1), ``G`` being the number of calls holding a slot, counting the call asking for
@@ -15,11 +15,13 @@ back and is *parked* in the engine; it keeps its output tokens and resumes later
 them, as after a preemption, so its output is the same as undisturbed. A request whose call
 already holds its share is parked before it starts. When a slot frees, parked requests of calls
 under their share resume first, then the scheduler hands out new requests, then the other parked
-requests resume (those already started first, then by the time they were parked).
+requests resume (of the call holding fewest slots first; started ones first, then by the time
+they were parked). The bound this gives a waiting request, in engine steps, is stated in
+docs/architecture.md ("Fair sharing").
 
 The rule bites only when one call holds more than its share while another call waits: requests
 of one sequence each never take a slot from one another (each holds 1, and a share is at least 1).
-A group giving up a slot keeps at least its share, so two calls never take slots back and forth.
+A call giving up a slot keeps at least its share, so two calls never take slots back and forth.
 """
 
 from __future__ import annotations
@@ -31,11 +33,6 @@ from fd_core.request import RequestStatus
 
 if TYPE_CHECKING:
     from fd_core.request import Request
-
-
-def call_of(request: Request) -> str:
-    """The client call a request belongs to: its ``group_id``, else itself."""
-    return request.group_id if request.group_id is not None else request.request_id
 
 
 class FairShare:
@@ -67,7 +64,7 @@ class FairShare:
 
     def num_calls(self) -> int:
         """Calls with a request holding a slot or parked."""
-        return len({call_of(r) for r in (*self.holding.values(), *self.parked.values())})
+        return len({r.call_id for r in (*self.holding.values(), *self.parked.values())})
 
     def share(self, call: str, slots: Counter[str]) -> int:
         """Slots each call may keep while ``call`` asks for one, given the slots each call holds."""
@@ -84,14 +81,14 @@ class FairShare:
         """The request that gives its slot to ``request`` when every slot is taken, or None when
         ``request``'s call holds its share already or no call holds more than its own."""
         slots = self._slots()
-        call = call_of(request)
+        call = request.call_id
         share = self.share(call, slots)
         if slots[call] >= share or not slots:
             return None
         richest, most = max(slots.items(), key=lambda item: item[1])
         if most <= share:
             return None
-        members = [r for r in reversed(self.holding.values()) if call_of(r) == richest]
+        members = [r for r in reversed(self.holding.values()) if r.call_id == richest]
         return min(members, key=lambda r: r.num_computed_tokens)
 
     def next_to_resume(self, *, under_share_only: bool) -> Request | None:
@@ -102,12 +99,12 @@ class FairShare:
             return None
         slots = self._slots()
         order = {request_id: index for index, request_id in enumerate(self.parked)}
-        best = min(self.parked.values(), key=lambda r: (slots[call_of(r)], r.status is not RequestStatus.PREEMPTED,
+        best = min(self.parked.values(), key=lambda r: (slots[r.call_id], r.status is not RequestStatus.PREEMPTED,
                                                         order[r.request_id]))
-        call = call_of(best)
+        call = best.call_id
         if under_share_only and slots[call] >= self.share(call, slots):
             return None
         return best
 
     def _slots(self) -> Counter[str]:
-        return Counter(call_of(r) for r in self.holding.values())
+        return Counter(r.call_id for r in self.holding.values())

@@ -18,9 +18,15 @@ BIG_PROMPT = [5, 6, 7, 8, 9]
 BOUND_STEPS = 2
 
 
-def _engine(tiny_model_dir, *, fair_share=True, resource_manager="v1"):
-    config = load_config(model={"source": tiny_model_dir}, cache={"num_blocks": 64},
+#: A pool the 4 slots' choices outgrow (12 blocks of 16 tokens; 4 choices of 5 + 60 tokens need 20).
+TIGHT_CACHE = {"num_blocks": 12, "block_size": 16}
+PRESSING = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+
+def _engine(tiny_model_dir, *, fair_share=True, resource_manager="v1", cache=None):
+    config = load_config(model={"source": tiny_model_dir}, cache=cache or {"num_blocks": 64},
                          resource_manager={"name": resource_manager},
+                         platform={"name": "cpu", "options": {"kernels": "portable"}},   # no C++ kernel build
                          engine={"max_num_seqs": 4, "max_num_batched_tokens": 64, "fair_share": fair_share})
     return build_engine(config, Registry.discover())
 
@@ -30,10 +36,11 @@ def engines(tiny_model_dir):
     """Engines with 4 slots by (resource manager, fair_share), built once; each test drains what it adds."""
     built = {}
 
-    def get(resource_manager="v1", fair_share=True):
-        key = (resource_manager, fair_share)
+    def get(resource_manager="v1", fair_share=True, tight=False):
+        key = (resource_manager, fair_share, tight)
         if key not in built:
-            built[key] = _engine(tiny_model_dir, fair_share=fair_share, resource_manager=resource_manager)
+            built[key] = _engine(tiny_model_dir, fair_share=fair_share, resource_manager=resource_manager,
+                                 cache=TIGHT_CACHE if tight else None)
         return built[key]
 
     return get
@@ -100,6 +107,29 @@ def test_a_bystander_is_planned_within_the_bound_while_a_large_n_call_holds_ever
     assert {k: v for k, v in run.tokens.items() if k != "bystander"} == undisturbed.tokens   # resumed exactly
     assert len(run.tokens["bystander"]) == SHORT.max_tokens
     assert _all_blocks_free(run.engine)
+
+
+def test_the_bound_holds_while_a_large_n_call_outgrows_the_kv_pool(engines):
+    """v1 preempts the call's choices for one another; the bystander neither waits behind them nor is their victim."""
+    engine = engines(tight=True)
+    undisturbed = Run(engine)
+    _add_big_call(engine, 8, PRESSING)
+    undisturbed.drain()
+    preemptions = engine.resource_manager.stats().num_preemptions
+    assert preemptions > 0                  # the pool really runs dry
+
+    run = Run(engine)
+    _add_big_call(engine, 8, PRESSING)
+    while engine.resource_manager.stats().num_preemptions == preemptions:
+        run.step()                          # until a choice was preempted: it waits in the manager
+    engine.add_request(Request("bystander", [11, 12, 13], SHORT))
+    arrived = run.steps
+    run.drain()
+
+    assert run.first_token_step["bystander"] - arrived <= BOUND_STEPS
+    assert {k: v for k, v in run.tokens.items() if k != "bystander"} == undisturbed.tokens
+    assert set(run.finished.values()) == {FinishReason.LENGTH}
+    assert _all_blocks_free(engine)
 
 
 def test_a_call_giving_up_a_slot_resumes_with_the_same_tokens(engines):

@@ -21,7 +21,8 @@ BIG_TOKENS = 200
 def server(tiny_model, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("fair"), "--model.source", str(tiny_model),
                           "--model.max_model_len", "512", "--cache.num_blocks", "128",
-                          "--engine.max_num_seqs", "4", "--engine.max_num_batched_tokens", "64")
+                          "--engine.max_num_seqs", "4", "--engine.max_num_batched_tokens", "64",
+                          "--platform.options", '{"kernels": "portable"}')   # no C++ kernel build to wait for
     yield server
     assert server.stop() == 0, server.log()
 
