@@ -5,10 +5,8 @@ Each step:
 
 1. apply aborts that other threads asked for (they only queue an id and wake the loop) and
    end the requests the scheduler gave up (``take_cancelled``);
-2. give the free slots (``max_num_seqs``) to new requests from the request scheduler (the rest
-   stay in the scheduler, where its ordering hook, TTL and size limit apply) and to requests
-   parked by fair sharing (:mod:`fd_core.engine.fair_share`: a client call holding more than
-   its share of the slots gives one up to a call holding fewer);
+2. take new requests from the request scheduler while the resource manager has room for them
+   (the rest stay in the scheduler, where its ordering hook, TTL and size limit apply);
 3. ``resource_manager.schedule()`` plans the batch;
 4. the runner computes it and samples;
 5. ``token_processor.process`` turns tokens into outputs and *reports* finishes in them;
@@ -24,6 +22,10 @@ scheduler (expired, aborted while queued) is answered by the scheduler.
 
 Request ids are unique among live requests: :meth:`add_request` refuses an id whose final
 output has not yet been taken through :meth:`get_results`, touching nothing of the first.
+
+**Fair sharing** of the ``max_num_seqs`` slots (room, in step 2) between client calls: a call
+holding more than its share gives a slot up to a call holding fewer, and the request giving it
+up is parked in the core until a slot frees (:mod:`fd_core.engine.fair_share`).
 
 When there is nothing to run, :meth:`EngineCore.run` blocks inside
 ``scheduler.get_requests(timeout=None)`` until a request arrives or :meth:`wake` is called:
