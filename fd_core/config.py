@@ -146,6 +146,11 @@ class EngineSection(_Section):
     max_num_seqs: int = Field(32, gt=0, description="Most requests in one step.")
     max_num_batched_tokens: int = Field(512, gt=0, description="Most tokens computed in one step.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts over steps (v1).")
+    fair_share: bool = Field(True, description=(
+        "Share the `max_num_seqs` slots between client calls: while every slot is taken, a call (the `n` "
+        "choices of one request) holding more than `max_num_seqs // calls` gives a slot to a call holding "
+        "fewer; the sequence giving it up resumes later by recompute, with the same output. Requests of one "
+        "sequence each are never affected. See docs/architecture.md, \"Fair sharing\"."))
 
     @model_validator(mode="after")
     def _budget_fits_seqs(self) -> EngineSection:
