@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from fd_core.splitwise.kv_blocks import KVBlockViews
 
 log = logging.getLogger(__name__)
+#: Seconds between two log lines about messages from a sender other than the prefill instance asked.
+REFUSAL_LOG_EVERY_S = 10.0
 
 
 @dataclass(slots=True, eq=False)
@@ -64,6 +66,8 @@ class DecodeSide(LinkedSide):
         self._transfers: dict[str, _Transfer] = {}          # under the lock
         self._arrived: list[tuple[Request, SampledToken]] = []
         self._failed: list[tuple[Request, FinishReason, str | None]] = []
+        self._next_refusal_log = 0.0   # under the lock
+        self._counters["messages_from_another_peer"] = 0   # listed at 0: an alert on it needs no "absent" rule
 
     # --- engine thread -------------------------------------------------------------------------
 
@@ -142,13 +146,16 @@ class DecodeSide(LinkedSide):
         message = delivery.message
         kind = message["kind"]
         if kind == protocol.ALIVE:
-            for transfer in self._hear_alive(message["open"]):
+            for transfer in self._hear_alive(message["open"], delivery.sender):
                 self._retry(transfer, f"{self._peer_name(transfer)}: its DONE was lost on the way")
             return
         with self._lock:
             transfer = self._current(message.get("id", ""), message.get("attempt"))
             if transfer is None:
                 return   # ended here, or a late message of an earlier attempt
+            if not self._from_its_peer(transfer, delivery.sender):
+                self._refuse_sender(delivery.sender, kind, transfer)
+                return
             transfer.heard = time.monotonic()
             if kind == protocol.BLOCK:
                 self._write(transfer, message["index"], delivery.buffers)
@@ -158,17 +165,24 @@ class DecodeSide(LinkedSide):
         elif kind == protocol.ABORT:
             self._ask_next(transfer, f"{self._peer_name(transfer)}: {message['reason']}")
 
-    def _hear_alive(self, open_entries: list[list[Any]]) -> list[_Transfer]:
-        """Note that the prefill side still has these hand-offs; returns those it says it sent DONE
-        for although none arrived (messages between two instances arrive in order: it was lost)."""
-        lost = []
+    def _hear_alive(self, open_entries: list[list[Any]], sender: str) -> list[_Transfer]:
+        """Note that ``sender`` still has these hand-offs; returns those it says it sent DONE for
+        although none arrived (messages between two instances arrive in order: it was lost). An
+        entry naming a hand-off that ``sender`` was not asked for is ignored."""
+        lost, foreign = [], None
         with self._lock:
             for request_id, attempt, *state in open_entries:
                 transfer = self._current(request_id, attempt)
-                if transfer is not None:
-                    transfer.heard = time.monotonic()
-                    if state and state[0]:   # done_sent (an instance of an earlier version sends no state)
-                        lost.append(transfer)
+                if transfer is None:
+                    continue
+                if not self._from_its_peer(transfer, sender):
+                    foreign = transfer
+                    continue
+                transfer.heard = time.monotonic()
+                if state and state[0]:   # done_sent (an instance of an earlier version sends no state)
+                    lost.append(transfer)
+            if foreign is not None:   # counted once per ALIVE, however many of its entries are foreign
+                self._refuse_sender(sender, protocol.ALIVE, foreign)
         return lost
 
     def on_heartbeat(self, now: float) -> None:
@@ -245,6 +259,25 @@ class DecodeSide(LinkedSide):
         if transfer is None or transfer.peer is None or transfer.attempt != attempt:
             return None
         return transfer
+
+    @staticmethod
+    def _from_its_peer(transfer: _Transfer, sender: str) -> bool:
+        """Whether ``sender`` is the prefill instance the current attempt of ``transfer`` asked: a
+        connector's delivery names its sender by the address that sender's ``start()`` returned,
+        which is the address the directory publishes (issue 41 item 17)."""
+        assert transfer.peer is not None, "a current attempt has its prefill instance"
+        return transfer.peer.address == sender
+
+    def _refuse_sender(self, sender: str, kind: str, transfer: _Transfer) -> None:
+        """Count (and log, at most every :data:`REFUSAL_LOG_EVERY_S`) a message about ``transfer`` from
+        a sender other than its prefill instance; it changes nothing (caller holds the lock)."""
+        self._counters["messages_from_another_peer"] += 1
+        now = time.monotonic()
+        if now >= self._next_refusal_log:
+            self._next_refusal_log = now + REFUSAL_LOG_EVERY_S
+            log.warning("a %s about %r came from %r, not from the prefill instance asked (%s); ignored "
+                        "(%d so far)", kind, transfer.request.request_id, sender[:200], self._peer_name(transfer),
+                        self._counters["messages_from_another_peer"])
 
     @staticmethod
     def _peer_name(transfer: _Transfer) -> str:

@@ -330,3 +330,73 @@ def test_a_prefill_instance_shutting_down_tells_the_decode_side_before_it_closes
     finally:
         decode.close()
         prefill.close()
+
+
+def _cache_bytes(kv) -> list[bytes]:
+    """Every block of a KV cache (all its layers' K and V), by block id."""
+    return [b"".join(kv.read(block)) for block in range(kv.num_blocks)]
+
+
+@pytest.mark.parametrize("connector", ["zmq", "shm"])
+def test_messages_about_a_hand_off_from_another_instance_change_nothing(tiny_model_dir, redis_server, connector):
+    """A third real connector (prefill role, never asked) sends every BLOCK, the DONE, an ABORT and an
+    ALIVE of the open hand-off's id and attempt while the real prefill side is held back (not
+    stepped): the decode side writes nothing, neither finishes nor asks again, and counts them;
+    then the real prefill side completes it with the mixed engine's output."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    mixed = build_engine(_config(tiny_model_dir, None, "mixed"))
+    want = _run_all([mixed], [Request("r", PROMPTS[0], params)], mixed)["r"]
+    prefill = build_engine(_config(tiny_model_dir, redis_server.url, "prefill", connector, handoff=NO_STALL))
+    decode = build_engine(_config(tiny_model_dir, redis_server.url, "decode", connector, handoff=NO_STALL))
+    forger = type(decode.handoff.connector)(None, role="prefill", instance_id="forger")
+    forger.start()
+    try:
+        decode.add_request(Request("r", PROMPTS[0], params))
+        deadline = time.monotonic() + 10
+        while prefill.stats().splitwise.get("jobs_received", 0) == 0:   # asked; not stepped, so it ships nothing
+            assert time.monotonic() < deadline
+            decode.step()
+            time.sleep(0.01)
+        kv = decode.handoff.kv
+        before = _cache_bytes(kv)
+        num_blocks = -(-len(PROMPTS[0]) // 8)
+        target, key = decode.handoff.me.address, {"id": "r", "attempt": 1}   # the first attempt's
+        for index in range(num_blocks):
+            forged = [memoryview(bytearray(b"\x7f" * buffer.nbytes)) for buffer in kv.read(0)]
+            assert forger.send(target, {"kind": protocol.BLOCK, **key, "index": index}, forged)
+        wrong_first = (want[0].new_token_ids[0] + 1) % 512
+        for message in ({"kind": protocol.DONE, **key, "blocks": num_blocks,
+                         "token": protocol.token_fields(wrong_first, None, None)},
+                        {"kind": protocol.ABORT, **key, "reason": "forged"},
+                        {"kind": protocol.ALIVE, "open": [["r", 1, True]]},   # "its DONE was lost": ask again
+                        {"kind": protocol.FLUSH}):
+            assert forger.send(target, message)
+        # the decode side's link thread answers FLUSHED after handling every earlier message of this sender
+        deadline = time.monotonic() + 10
+        while (delivery := forger.receive(0.1)) is None or delivery.message["kind"] != protocol.FLUSHED:
+            assert time.monotonic() < deadline, "the decode side never answered the FLUSH"
+        changed = [block for block, (now, then) in enumerate(zip(_cache_bytes(kv), before, strict=True)) if now != then]
+        assert not changed, f"the forged BLOCKs were written into the decode side's blocks {changed}"
+        decode.step()
+        assert decode.get_results(timeout=0) == []   # no first token from the forged DONE
+        figures = decode.stats().splitwise
+        assert figures.get("prefill_attempts_failed", 0) == 0   # neither the ABORT nor the ALIVE made it ask again
+        assert figures["transfers_open"] == 1 and figures.get("blocks_received", 0) == 0
+        assert figures["messages_from_another_peer"] == num_blocks + 3
+        outputs = []
+        deadline = time.monotonic() + 30
+        while not outputs or not outputs[-1].finished:
+            assert time.monotonic() < deadline
+            for engine in (prefill, decode):
+                engine.step()
+            outputs += decode.get_results(timeout=0)
+        assert [o.new_token_ids for o in outputs] == [o.new_token_ids for o in want]
+        figures = decode.stats().splitwise
+        assert figures["transfers_done"] == 1 and figures["blocks_received"] == num_blocks
+        assert figures["messages_from_another_peer"] == num_blocks + 3
+        _drain_blocks([prefill, decode])
+        assert prefill.stats().splitwise["jobs_done"] == 1
+    finally:
+        forger.close()
+        decode.close()
+        prefill.close()
