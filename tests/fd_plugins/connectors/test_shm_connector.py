@@ -111,8 +111,11 @@ def test_the_slots_of_a_receiver_killed_while_holding_them_come_back(connector, 
     assert other.ask(op="drain", until=2, seconds=0) == {"held_ok": True, "blocks": []}
 
 
-def _shm_mappings() -> set[str]:
-    return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "/dev/shm/" in line}
+def _shm_mappings() -> set[tuple[str, str]]:
+    """(inode, path) of this process's shared-memory mappings; a segment whose file was unlinked (a
+    killed sender's resource tracker cleans up) is still mapped, its path then ends in "(deleted)"."""
+    fields = (line.split(maxsplit=5) for line in Path("/proc/self/maps").read_text().splitlines())
+    return {(f[4], f[5].removesuffix(" (deleted)")) for f in fields if len(f) == 6 and "/dev/shm/" in f[5]}
 
 
 def test_a_receiver_unmaps_the_segment_of_a_sender_killed_with_sigkill(connector, make_peer):
