@@ -146,6 +146,11 @@ class EngineSection(_Section):
     max_num_seqs: int = Field(32, gt=0, description="Most requests in one step.")
     max_num_batched_tokens: int = Field(512, gt=0, description="Most tokens computed in one step.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts over steps (v1).")
+    fair_share: bool = Field(True, description=(
+        "Share the `max_num_seqs` slots between client calls: while every slot is taken, a call (the `n` "
+        "choices of one request) holding more than `max_num_seqs // calls` gives a slot to a call holding "
+        "fewer; the sequence giving it up resumes later by recompute, with the same output. Requests of one "
+        "sequence each are never affected. See docs/architecture.md, \"Fair sharing\"."))
 
     @model_validator(mode="after")
     def _budget_fits_seqs(self) -> EngineSection:
@@ -212,8 +217,10 @@ class SplitwiseSection(_Section):
         "How often each side of an open hand-off tells the other it is still there."))
     stall_timeout_s: float = Field(10.0, gt=0, description=(
         "A hand-off that hears nothing from the other side for this long is given up and both sides free "
-        "its blocks (the decode side asks another prefill instance, and waits this long for one to be "
-        "registered); must be at least 2 x heartbeat_s."))
+        "its blocks (the decode side asks another prefill instance); must be at least 2 x heartbeat_s."))
+    peer_wait_s: float = Field(10.0, gt=0, description=(
+        "How long a request on a decode instance waits for a usable prefill instance (none registered, "
+        "none fit, or every one tried already) before it ends with an error saying none was available."))
     max_prefill_attempts: int = Field(3, gt=0, description=(
         "Prefill instances a decode instance tries for one request before it answers with an error."))
 
@@ -252,6 +259,9 @@ class ServerSection(_Section):
     max_queue_size: int = Field(1024, gt=0, description="Requests queued in the engine beyond this get 429.")
     max_body_bytes: int = Field(
         8 * 2**20, gt=0, description="Request bodies larger than this (bytes, default 8 MiB) get 413 unread.")
+    max_header_bytes: int = Field(
+        128 * 2**10, ge=1024, description="Request heads (request line and headers) larger than this (bytes, "
+                                          "default 128 KiB) get 431.")
     shutdown_timeout_s: float = Field(
         30.0, ge=0, description="How long SIGTERM waits for in-flight requests; those still running then get 503 "
                                 "(a stream: an error event, then [DONE]).")

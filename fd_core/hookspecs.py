@@ -91,7 +91,8 @@ def fd_order_waiting(waiting: list[Request], now: float) -> list[Request] | None
 def fd_select_preemption_victim(running: list[Request], needed_by: Request) -> Request | None:
     """Pick the running request to preempt so that ``needed_by`` gets KV blocks, or ``None``.
 
-    ``running`` is in admission order and never empty; the default takes the last admitted.
+    ``running`` is in admission order and never empty; ``v1``'s default takes the last admitted
+    of the call (``Request.call_id``) running the most requests.
     The victim may be ``needed_by`` itself. Added in version 1.
     """
 

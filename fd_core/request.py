@@ -162,6 +162,12 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def call_id(self) -> str:
+        """The client call this request belongs to: ``group_id`` (shared by the ``n`` choices of
+        one call), else its own id. Fair sharing gives calls, not requests, their turns."""
+        return self.group_id if self.group_id is not None else self.request_id
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

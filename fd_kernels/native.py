@@ -1,7 +1,7 @@
 """Build (once) and load fd-engine's C++ CPU kernels, as Paddle custom ops.
 
 The sources in ``csrc/`` are compiled with ``paddle.utils.cpp_extension.load`` into a folder
-keyed by the Paddle version, the ISA flags and a hash of the sources
+keyed by the Paddle version, the ISA flags, a hash of the sources and their folder
 (``$FD_CACHE_DIR/kernels/<key>``, default ``~/.cache/fd-engine/kernels``), so a later start
 loads the built library in well under a second, and a cache shared by machines with different
 CPUs never hands one a library built for another. The ISA flags come from the capabilities the
@@ -79,6 +79,9 @@ def cache_dir(flags: tuple[str, ...]) -> Path:
     # the library links to this Paddle installation's libraries by path (rpath), and Paddle's build
     # rebuilds when its include paths change: two virtualenvs sharing one folder rebuilt it in turn
     digest.update(str(paddle_libs()).encode())
+    # Paddle also rebuilds when the sources' paths change: two checkouts of the same sources (git
+    # worktrees, a CI clone beside a working copy) sharing one folder rebuilt it in turn
+    digest.update(str(_CSRC.resolve()).encode())
     isa = "-".join(flag.removeprefix("-m") for flag in flags) or "baseline"
     root = os.environ.get("FD_CACHE_DIR")
     base = (Path(root) if root else Path.home() / ".cache" / "fd-engine") / "kernels"

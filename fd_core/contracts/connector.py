@@ -48,7 +48,8 @@ ConnectorRole = Literal["prefill", "decode"]
 class Delivery:
     """One received message: who sent it, its control fields, and a block's buffers (if any)."""
 
-    sender: str                      # the sender's address, as its start() returned it
+    sender: str                      # the sender's address, as its start() returned it (the hand-off takes
+    #                                  a transfer's messages only from the address it asked)
     message: dict[str, Any]
     buffers: list[memoryview] = field(default_factory=list)
 

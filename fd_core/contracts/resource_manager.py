@@ -83,7 +83,11 @@ class ResourceManager(SeamPlugin, ABC):
 
     @abstractmethod
     def add_request(self, request: Request) -> None:
-        """Accept a validated request into the waiting queue."""
+        """Accept a validated request into the waiting queue. It may already have output tokens
+        and ``num_computed_tokens == 0`` (a continuation re-served by the pool or a dp rank, or a
+        request the engine parked to share its slots and gives back; it was ended here with
+        ``finish_requests(..., ABORT)`` before): its prompt and those tokens are recomputed, as after
+        a preemption."""
 
     def reserve(self, request: Request) -> list[int] | None:
         """Take blocks for the whole prompt of a validated ``request`` whose prompt KV will be

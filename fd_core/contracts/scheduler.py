@@ -80,11 +80,13 @@ class Scheduler(SeamPlugin, ABC):
         """
         return []
 
-    def note_capacity(self, kv: KVStats) -> None:
+    def note_capacity(self, kv: KVStats, free_slots: int) -> None:
         """The resource manager's figures after a step (free KV blocks, requests running and waiting
-        for blocks). Called by the engine loop after every step; must return at once. A scheduler
-        that takes work from elsewhere (the pool's work stealing) takes none while the engine could
-        not start it. The default ignores it. Added in hookspec version 4.
+        for blocks) and the request slots free (``max_num_seqs`` less the requests admitted; with
+        fair sharing, :meth:`get_requests` may be asked for more than that). Called by the engine
+        loop after every step; must return at once. A scheduler that takes work from elsewhere (the
+        pool's work stealing) takes none while the engine could not start it. The default ignores
+        it. Added in hookspec version 4.
         """
 
     def drain(self) -> None:

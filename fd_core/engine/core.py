@@ -3,8 +3,9 @@
 One loop serves the offline ``LLM``, the asyncio client and the server's engine process.
 Each step:
 
-1. apply aborts that other threads asked for (they only queue an id and wake the loop) and
-   end the requests the scheduler gave up (``take_cancelled``);
+1. apply aborts that other threads asked for (a request still queued is withdrawn from the
+   scheduler by :meth:`EngineCore.abort` itself; one the engine holds is queued for the loop)
+   and end the requests the scheduler gave up (``take_cancelled``);
 2. take new requests from the request scheduler while the resource manager has room for them
    (the rest stay in the scheduler, where its ordering hook, TTL and size limit apply);
 3. ``resource_manager.schedule()`` plans the batch;
@@ -25,6 +26,10 @@ scheduler (expired, aborted while queued) is answered by the scheduler.
 Request ids are unique among live requests: :meth:`add_request` refuses an id whose final
 output has not yet been taken through :meth:`get_results`, touching nothing of the first.
 
+**Fair sharing** of the ``max_num_seqs`` slots (room, in step 2) between client calls: a call
+holding more than its share gives a slot up to a call holding fewer, and the request giving it
+up is parked in the core until a slot frees (:mod:`fd_core.engine.fair_share`).
+
 When there is nothing to run, :meth:`EngineCore.run` blocks inside
 ``scheduler.get_requests(timeout=None)`` until a request arrives or :meth:`wake` is called:
 there is no polling sleep. A step that raises fails the requests in flight, and the loop then
@@ -41,6 +46,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from fd_core.engine.fair_share import FairShare
 from fd_core.errors import PluginError, QueueFullError, RequestError
 from fd_core.outputs import RequestMetrics, RequestOutput, ScheduledRequest, StepPlan, StepResult
 from fd_core.plugin_guard import FailureReporter, GuardedHooks, plugin_label
@@ -102,6 +108,8 @@ class EngineCore:
         self._hook_tracer = hook_tracer
         self._aborts: deque[str] = deque()       # ids queued by other threads
         self._in_engine: dict[str, Request] = {} # left the scheduler, not ended (engine thread only)
+        self._shares = FairShare(limits.max_num_seqs)   # who holds a slot, who is parked (engine thread only)
+        self._fair_share = config is None or config.engine.fair_share
         self._live: set[str] = set()             # accepted, final output not yet taken (any thread)
         self._live_lock = threading.Lock()
         self._unrouted: set[str] = set()         # computed for another instance: outputs go nowhere
@@ -175,9 +183,24 @@ class EngineCore:
                               f"{type(exc).__name__}: {exc}") from exc
 
     def abort(self, request_id: str) -> None:
-        """Ask the loop to abort a request; its blocks are freed at the start of the next step."""
+        """Abort a request. One still queued in the scheduler is withdrawn (and answered) before this
+        returns, so that its place in the queue is free for the next request (a refused request's
+        choices must not keep a request that fits out); the loop ends one it holds at the start of
+        the next step and frees its blocks."""
+        if self._withdraw(request_id):
+            return
         self._aborts.append(request_id)
         self.wake()
+
+    def _withdraw(self, request_id: str) -> bool:
+        """``scheduler.abort`` on the caller's thread; False when the request was not queued or the
+        plugin failed (the loop then tries again)."""
+        try:
+            return self.scheduler.abort(request_id)
+        except Exception:
+            log.exception("%s: abort failed on request %r; retried by the engine loop",
+                          plugin_label(self.scheduler), request_id)
+            return False
 
     def drain(self) -> None:
         """The instance is shutting down: what was accepted is still served, the scheduler takes no
@@ -231,14 +254,14 @@ class EngineCore:
         """Run one engine step; returns (and routes) the outputs it produced."""
         outputs = self._apply_aborts()
         outputs += self._apply_handoff()
-        self._admit(self.scheduler.get_requests(self._room(), timeout=0))
+        self._take_in()
         plan = self.resource_manager.schedule()
         self.handoff.planned(plan)
         if not plan.is_empty:
             outputs.extend(self._execute(plan))
         self._idle = plan.is_empty and not outputs
         self._stats = self._collect_stats()
-        self._tell(self.scheduler, "note_capacity", self._stats.kv)
+        self._tell(self.scheduler, "note_capacity", self._stats.kv, self._room())
         return self._route(outputs)
 
     def has_unfinished(self) -> bool:
@@ -288,7 +311,31 @@ class EngineCore:
 
     def _room(self) -> int:
         """How many more requests the resource manager should hold (running + waiting)."""
-        return max(0, self.limits.max_num_seqs - len(self._in_engine))
+        return max(0, self._free_slots())
+
+    def _free_slots(self) -> int:
+        """``max_num_seqs`` less the requests holding a slot (every admitted one not parked); below 0
+        while :meth:`_admit` places a request that arrived with every slot taken."""
+        return self.limits.max_num_seqs - (len(self._in_engine) - len(self._shares.parked))
+
+    def _take_in(self) -> None:
+        """Give the free slots to parked requests of calls under their share, then to new requests
+        from the scheduler, then to the other parked requests (fd_core.engine.fair_share)."""
+        self._resume_parked(under_share_only=True)
+        self._admit(self.scheduler.get_requests(self._intake_size(), timeout=0))
+        self._resume_parked(under_share_only=False)
+
+    def _intake_size(self) -> int:
+        """How many requests to ask the scheduler for: the free slots; with none free, one more than
+        the calls the engine holds when some call holds more than its share (fair sharing), so that
+        a scheduler whose order lets calls take turns (``fair_fifo``) hands out a new call's first
+        request after at most the next request of each of those calls."""
+        room = self._room()
+        if room > 0 or not self._fair_share or not self._shares.over_share():
+            return room
+        if len(self._shares.parked) >= self.scheduler.max_queue_size or self.scheduler.num_waiting() == 0:
+            return 0   # the engine parks at most as many requests as the scheduler queues
+        return self._shares.num_calls() + 1
 
     def _admit(self, requests: list[Request]) -> None:
         refused: list[_Ending] = []
@@ -304,13 +351,55 @@ class EngineCore:
                 continue
             try:
                 self.token_processor.add_request(request)
-                if not self.handoff.admit(request):
-                    self.resource_manager.add_request(request)
+                if self._free_slots() >= 0 or self._take_slot_for(request):
+                    self._start(request)
+                else:   # its call holds its share already: it waits in the engine for a free slot
+                    self._shares.park(request)
             except Exception as exc:  # one plugin failure refuses this request, not the batch
                 log.exception("could not admit %r", request)
                 refused.append((request, FinishReason.ERROR, f"could not admit the request: {exc}", None))
                 continue
             refused += self._tell_added(request)
+        self._route(self._end(refused))
+
+    def _start(self, request: Request) -> None:
+        """Hand a request to the hand-off, or give it a slot in the resource manager. A request
+        taken back by fair sharing was computed here and goes back to the manager, to recompute."""
+        if request.status is RequestStatus.PREEMPTED or not self.handoff.admit(request):
+            self._shares.hold(request)
+            self.resource_manager.add_request(request)
+        else:   # the hand-off's now (a decode instance reserves its blocks): not a slot fair sharing moves
+            self._shares.forget(request.request_id)
+
+    def _take_slot_for(self, request: Request) -> bool:
+        """Free a slot for ``request`` from a call holding more than its share; False if none does.
+
+        The request giving the slot up is parked: the resource manager forgets it and frees its
+        blocks, and it resumes later (:meth:`_resume_parked`) by recomputing its prompt and outputs,
+        as after a preemption, so its output is unchanged."""
+        donor = self._shares.donor_for(request)
+        if donor is None:
+            return False
+        self.resource_manager.finish_requests([donor], FinishReason.ABORT)   # its K/V is not kept
+        donor.status = RequestStatus.PREEMPTED
+        donor.num_computed_tokens = 0
+        donor.num_preemptions += 1
+        self._shares.park(donor)
+        return True
+
+    def _resume_parked(self, *, under_share_only: bool) -> None:
+        """Give free slots to parked requests (:meth:`FairShare.next_to_resume` picks the order)."""
+        refused: list[_Ending] = []
+        while self._room() > 0:
+            request = self._shares.next_to_resume(under_share_only=under_share_only)
+            if request is None:
+                break
+            try:
+                self._start(request)
+            except Exception as exc:  # one plugin failure ends this request, not the batch
+                log.exception("could not resume %r", request)
+                self._shares.forget(request.request_id)
+                refused.append((request, FinishReason.ERROR, f"could not resume the request: {exc}", None))
         self._route(self._end(refused))
 
     def _unservable(self, request: Request) -> _Ending | None:
@@ -440,6 +529,7 @@ class EngineCore:
             request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, error
             request.finished_time = now
             self._in_engine.pop(request_id, None)
+            self._shares.forget(request_id)
             self.runner.release([request_id])
             self._tell(self.token_processor, "forget", request_id)
             self._tell(self.handoff, "forget", request_id)

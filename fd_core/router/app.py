@@ -20,6 +20,7 @@ from fd_core.router.forward import Forwarder
 from fd_core.router.metrics import RouterMetrics
 from fd_core.router.routes import router
 from fd_core.server import error_handlers
+from fd_core.server.connections import HeadLimit
 from fd_core.server.http_errors import ApiError
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="fd-engine router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.fd_router = state
+    app.add_middleware(HeadLimit, limit=settings.max_header_bytes, limit_key="router.max_header_bytes")
     app.include_router(router)
     error_handlers.install(app, internal=_internal_error)
     return app

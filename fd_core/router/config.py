@@ -90,6 +90,11 @@ class RouterSection(BaseModel):
     max_concurrency: int = Field(1024, gt=0, description="Requests in flight through the router beyond this get 429.")
     max_body_bytes: int = Field(8 * 2**20, gt=0, description=(
         "Request bodies larger than this (bytes, default 8 MiB) get 413 and are not forwarded."))
+    body_timeout_s: float = Field(30.0, gt=0, description=(
+        "How long a client may take to send a request body; a slower one gets 408. The body is read before "
+        "the request takes one of router.max_concurrency slots."))
+    max_header_bytes: int = Field(128 * 2**10, ge=1024, description=(
+        "Request heads (request line and headers) larger than this (bytes, default 128 KiB) get 431."))
     shutdown_timeout_s: float = Field(30.0, ge=0, description=(
         "How long SIGTERM waits for requests in flight before the router stops."))
 

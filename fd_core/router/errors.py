@@ -5,6 +5,7 @@
                          a stream gets the same body as an SSE error event, then ``data: [DONE]``
     429                  more than ``router.max_concurrency`` requests in flight
     413                  a body over ``router.max_body_bytes``
+    408                  a body that took longer than ``router.body_timeout_s`` to arrive
 
 A backend's own answers (400, 401, 404, 429 ...) are not built here: they pass through unchanged.
 """
@@ -40,7 +41,14 @@ def backend_failed(backend: Backend, cause: str, *, streaming: bool) -> ApiError
                     type="server_error", code=BACKEND_FAILED)
 
 
-def too_busy(limit: int) -> ApiError:
-    return too_many_requests(f"too many requests in flight through the router ({limit}, router.max_concurrency); "
-                             "retry later")
+def too_busy(in_flight: int, limit: int) -> ApiError:
+    return too_many_requests(f"too many requests: {in_flight} in flight through the router, the most "
+                             f"router.max_concurrency ({limit}) allows; retry later")
 
+
+
+def body_too_slow(timeout_s: float) -> ApiError:
+    """408: the client did not send its whole body within ``router.body_timeout_s``."""
+    return ApiError(408, f"the request body did not arrive within router.body_timeout_s ({timeout_s:g} s); "
+                         "send it at once, or raise router.body_timeout_s",
+                    type="invalid_request_error", code="request_timeout")

@@ -111,15 +111,14 @@ class Forwarder:
                                       pool=settings.connect_timeout_s)
         self.in_flight = 0  # generation requests through the router, streams until their end
 
-    async def generate(self, request: Request, path: str, read_body: Callable[[], Awaitable[bytes]]) -> Response:
-        """Forward a generation request (POST ``path``); holds one of ``router.max_concurrency`` slots
-        from before its body is read until its answer ends."""
+    async def generate(self, request: Request, path: str, body: bytes) -> Response:
+        """Forward a generation request (POST ``path``, its ``body`` read); holds one of
+        ``router.max_concurrency`` slots until its answer ends."""
         if self.in_flight >= self._max_concurrency:
-            raise too_busy(self._max_concurrency)
+            raise too_busy(self.in_flight, self._max_concurrency)
         self.in_flight += 1
         handed_over = False  # once a stream is built, it frees the slot when it ends
         try:
-            body = await read_body()
             # a large body is parsed on a worker thread, so that streams and /health do not stall meanwhile
             stream = _wants_stream(body) if len(body) < _PARSE_INLINE_BYTES else await asyncio.to_thread(
                 _wants_stream, body)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from fd_core.exit_codes import ExitCode
+from fd_core.server.connections import uvicorn_options
 from fd_core.server.main import bind_listener
 
 if TYPE_CHECKING:
@@ -43,7 +44,8 @@ def serve_router(config: RouterConfig) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     server = _Server(uvicorn.Config(
         create_app(config), host=settings.host, port=settings.port, lifespan="on", log_level=log_level,
-        access_log=root.isEnabledFor(logging.DEBUG), timeout_graceful_shutdown=settings.shutdown_timeout_s))
+        access_log=root.isEnabledFor(logging.DEBUG), timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        **uvicorn_options(settings.max_header_bytes, "router.max_header_bytes")))
     url = f"http://{host}:{listener.getsockname()[1]}"
     print(f"fd-serve router: forwarding to {len(settings.backends)} backend(s) at {url}/v1 "
           f"({url}/health lists them)", flush=True)

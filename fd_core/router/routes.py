@@ -6,16 +6,19 @@ Generation requests and ``/v1/models`` are forwarded (:mod:`fd_core.router.forwa
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from fd_core.router.errors import body_too_slow
 from fd_core.router.metrics import CONTENT_TYPE
 from fd_core.server.body import read_body
 
 if TYPE_CHECKING:
     from fd_core.router.app import RouterState
+    from fd_core.router.config import RouterSection
 
 router = APIRouter()
 
@@ -56,6 +59,15 @@ async def chat_completions(request: Request) -> Response:
 
 async def _generate(request: Request, path: str) -> Response:
     state = _state(request)
-    limit = state.settings.max_body_bytes
-    return await state.forwarder.generate(
-        request, path, lambda: read_body(request, limit, limit_key="router.max_body_bytes"))
+    body = await _read_body(request, state.settings)
+    return await state.forwarder.generate(request, path, body)
+
+
+async def _read_body(request: Request, settings: RouterSection) -> bytes:
+    """The body, at most ``router.max_body_bytes`` (413) within ``router.body_timeout_s`` (408); read
+    before the request takes a concurrency slot, so that a slow client holds none."""
+    try:
+        async with asyncio.timeout(settings.body_timeout_s):
+            return await read_body(request, settings.max_body_bytes, limit_key="router.max_body_bytes")
+    except TimeoutError:
+        raise body_too_slow(settings.body_timeout_s) from None

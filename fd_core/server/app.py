@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from fd_core.errors import FdError
 from fd_core.exit_codes import ExitCode
 from fd_core.server import error_handlers
+from fd_core.server.connections import CloseWhileDraining, HeadLimit
 from fd_core.server.data_parallel import DataParallelClient
 from fd_core.server.drain import Drain
 from fd_core.server.engine_client import EngineClient
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from fd_core.config import FdConfig
 
 log = logging.getLogger(__name__)
-
 
 
 def create_app(config: FdConfig, *, on_fatal: Callable[[str, int], None], log_level: str = "INFO") -> FastAPI:
@@ -68,6 +68,8 @@ def create_app(config: FdConfig, *, on_fatal: Callable[[str, int], None], log_le
 
     app = FastAPI(title="fd-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.fd = state
+    app.add_middleware(HeadLimit, limit=config.server.max_header_bytes, limit_key="server.max_header_bytes")
+    app.add_middleware(CloseWhileDraining, draining=lambda: state.draining)
     app.include_router(router)
     error_handlers.install(app, internal=from_exception)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -7,11 +7,16 @@ ranks on N cores do not fight over them. The requests of one call (the ``n`` cho
 prompts) go to the rank with the fewest tokens in flight (prompt + ``max_tokens`` of each
 request placed there and not finished); its outputs come back on that rank's stream.
 
-A rank that dies does not lose its requests: each open stream is re-homed on the live rank with
-the fewest tokens in flight, its unfinished requests sent there as *continuations* (the output
-tokens the client already has are pre-filled; the new rank recomputes their KV and the token
-processor replays them silently), so the client's stream goes on with no duplicate and no gap.
-Only with no live rank left do they fail, naming the rank and how it died. The surviving ranks
+A rank that dies does not lose its requests, even those it had not acknowledged yet: each open
+stream is re-homed on the live rank with the fewest tokens in flight, its unfinished requests sent
+there as *continuations* (the output tokens the client already has are pre-filled; the new rank
+recomputes their KV and the token processor replays them silently), so the client's stream goes
+on with no duplicate and no gap. Only with no live rank left do they fail, naming the rank and how
+it died; a rank that refuses a continuation fails its stream with the reason.
+
+A rank's load is always recomputed from the live placements; a placement ends when its holder's
+final output arrives, or when the holder refuses or loses the request. What a former holder says
+about a request later (a dead rank's outputs read late) is dropped. The surviving ranks
 keep serving and ``/health`` says ``degraded``; when every rank is dead the engine is dead (the
 server then exits for its supervisor).
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -62,12 +68,11 @@ class DataParallelClient:
         self.config = config
         self._on_finished = on_finished
         self._on_dead = on_dead
-        self.ranks = [EngineClient(config, log_level=log_level, on_finished=self._finished,
+        self.ranks = [EngineClient(config, log_level=log_level, on_finished=functools.partial(self._finished, rank),
                                    on_dead=self._rank_died, name=f"data-parallel rank {rank}", cpus=shares[rank],
                                    rescue=self._rescue)
                       for rank in range(size)]
         self.cpu_shares = shares
-        self._load = [0] * size                      # tokens in flight per rank
         self._placed: dict[str, _Placed] = {}
         #: Requests continued on another rank after theirs died (for /metrics).
         self.num_rescued = 0
@@ -122,7 +127,7 @@ class DataParallelClient:
             return await self.ranks[rank].add(requests)
         except BaseException:
             for request in requests:
-                self._unplace(request.request_id)
+                self._unplace(request.request_id, rank)
             raise
 
     def abort(self, request_ids: list[str]) -> None:
@@ -144,7 +149,8 @@ class DataParallelClient:
         merged = _sum_stats(per_rank)
         by_rank = dict(zip((self.ranks.index(rank) for rank in live), per_rank, strict=True))
         merged["num_rescued"] = self.num_rescued
-        merged["ranks"] = [{"rank": i, "up": int(i in by_rank), "tokens_in_flight": self._load[i],
+        loads = self._loads()
+        merged["ranks"] = [{"rank": i, "up": int(i in by_rank), "tokens_in_flight": loads[i],
                             **({"kv": by_rank[i]["kv"], "generation_tokens": by_rank[i]["num_generated_tokens"]}
                                if i in by_rank else {})} for i in range(len(self.ranks))]
         dead = [rank.dead_reason for rank in self.ranks if rank.state is EngineState.DEAD]
@@ -160,22 +166,31 @@ class DataParallelClient:
             return EngineDeadError("the engine is starting; retry shortly")
         return EngineDeadError(self.dead_reason or "the engine is stopped")
 
+    def _loads(self) -> list[int]:
+        """Tokens in flight per rank: the sum over the requests placed there now."""
+        loads = [0] * len(self.ranks)
+        for placed in self._placed.values():
+            loads[placed.rank] += placed.tokens
+        return loads
+
     def _least_loaded(self) -> int | None:
         live = [i for i, rank in enumerate(self.ranks) if rank.state is EngineState.READY]
-        return min(live, key=lambda i: self._load[i]) if live else None
+        loads = self._loads()
+        return min(live, key=lambda i: loads[i]) if live else None
 
     def _place(self, request: Request, rank: int) -> None:
-        placed = self._placed[request.request_id] = _Placed(
+        """Place ``request`` on ``rank`` (replacing where it was placed before)."""
+        self._placed[request.request_id] = _Placed(
             request, rank, request.num_prompt_tokens + request.sampling_params.max_tokens)
-        self._load[rank] += placed.tokens
 
-    def _unplace(self, request_id: str) -> None:
-        placed = self._placed.pop(request_id, None)
-        if placed is not None:
-            self._load[placed.rank] -= placed.tokens
+    def _unplace(self, request_id: str, rank: int) -> None:
+        """End ``request_id``'s placement if ``rank`` holds it; a former holder no longer speaks for it."""
+        placed = self._placed.get(request_id)
+        if placed is not None and placed.rank == rank:
+            del self._placed[request_id]
 
-    def _finished(self, output: RequestOutput) -> None:
-        self._unplace(output.request_id)
+    def _finished(self, rank: int, output: RequestOutput) -> None:
+        self._unplace(output.request_id, rank)
         if self._on_finished is not None:
             self._on_finished(output)
 
@@ -194,17 +209,21 @@ class DataParallelClient:
                 original, output_token_ids=list(stream.delivered[request_id]), status=RequestStatus.WAITING,
                 num_computed_tokens=0, num_cached_tokens=0))
         for request in continuations:
-            self._unplace(request.request_id)
             self._place(request, rank)
-        self.ranks[rank].adopt(stream, continuations)
+        ids = [request.request_id for request in continuations]
+        self.ranks[rank].adopt(stream, continuations, on_refused=functools.partial(self._unplace_all, ids, rank))
         self.num_rescued += len(continuations)
         log.warning("continuing %d requests on data-parallel rank %d", len(continuations), rank)
         return True
 
+    def _unplace_all(self, request_ids: list[str], rank: int) -> None:
+        for request_id in request_ids:
+            self._unplace(request_id, rank)
+
     def _rank_died(self, reason: str) -> None:
         for request_id, placed in list(self._placed.items()):
             if self.ranks[placed.rank].state is EngineState.DEAD:
-                self._unplace(request_id)
+                del self._placed[request_id]
         if self.state is EngineState.DEAD:
             if self._on_dead is not None:
                 self._on_dead(self.dead_reason or reason)

@@ -8,8 +8,11 @@ task) and a reader that routes OUTPUTS to the :class:`RequestStream` owning each
 The engine's life is watched through its process sentinel: when it exits unexpectedly it is
 reaped, and every pending acknowledgement and every open stream fails with
 :class:`EngineDeadError` naming how it ended (exit code, or signal and likely cause) and, during
-start-up, the stage it was in; no request hangs. ``on_dead(reason)`` then tells the server,
-which exits so that a supervisor restarts it (docs/server.md).
+start-up, the stage it was in; no request hangs (a data-parallel rank's streams are offered to
+``rescue`` first, see :mod:`fd_core.server.data_parallel`). Outputs read after that are dropped.
+An engine the front end gives up on while its process runs (it cannot read or send) is killed.
+``on_dead(reason)`` then tells the server, which exits so that a supervisor restarts it
+(docs/server.md).
 """
 
 from __future__ import annotations
@@ -119,7 +122,8 @@ class EngineClient:
         """``name`` prefixes every reason it gives (a data-parallel rank); ``cpus`` pins the
         engine process to those CPUs (None: it runs where the front end may); ``rescue(stream)``
         is offered each open stream when the engine dies while serving, and a stream it takes
-        (returns True) is not failed: it continues elsewhere (see :meth:`adopt`)."""
+        (returns True) is not failed: it continues elsewhere (see :meth:`adopt`), also when its
+        requests were not acknowledged yet (:meth:`add` then returns it)."""
         self.config = config
         self.name = name
         self._cpus = cpus
@@ -168,8 +172,7 @@ class EngineClient:
         try:
             await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except asyncio.TimeoutError:
-            self._die(f"the engine did not start within {timeout:g} s (server.engine_start_timeout_s)")
-            process.kill()
+            self._give_up(f"the engine did not start within {timeout:g} s (server.engine_start_timeout_s)")
             raise EngineStartError(self.dead_reason or "") from None
         except EngineDeadError as exc:
             raise EngineStartError(str(exc)) from None
@@ -233,9 +236,10 @@ class EngineClient:
             raise errors[0]
         return stream
 
-    def adopt(self, stream: RequestStream, requests: list[Request]) -> None:
+    def adopt(self, stream: RequestStream, requests: list[Request], on_refused: Callable[[], None]) -> None:
         """Continue another engine's ``stream`` here with ``requests`` (continuations of its
-        unfinished ones); a refusal fails the stream with the reason. Never blocks."""
+        unfinished ones); a refusal fails the stream with the reason, then calls ``on_refused()``.
+        Never blocks."""
         self._check_alive()
         stream._client = self
         loop = asyncio.get_running_loop()
@@ -254,6 +258,7 @@ class EngineClient:
             if error is not None:
                 stream._put(EngineDeadError(f"{self.name or 'the engine'} could not take the request over: {error}"))
                 stream.close()
+                on_refused()
 
         self._tasks.append(asyncio.create_task(settle(), name="fd-adopt"))
 
@@ -301,7 +306,7 @@ class EngineClient:
                 await self._push.send(await self._outbox.get())
         except Exception as exc:  # nothing reaches the engine any more: say so instead of hanging
             log.exception("the engine sender failed")
-            self._die(f"the front end cannot send to the engine any more ({type(exc).__name__}: {exc})")
+            self._give_up(f"the front end cannot send to the engine any more ({type(exc).__name__}: {exc})")
 
     async def _read_loop(self) -> None:
         try:
@@ -309,7 +314,7 @@ class EngineClient:
                 self._handle(wire.unpack(await self._pull.recv()))
         except Exception as exc:  # streams would hang while /health said ok: mark the engine dead
             log.exception("the engine reader failed")
-            self._die(f"the front end stopped reading the engine's outputs ({type(exc).__name__}: {exc})")
+            self._give_up(f"the front end stopped reading the engine's outputs ({type(exc).__name__}: {exc})")
 
     def _handle(self, message: list[Any]) -> None:
         """Act on one message from the engine process."""
@@ -340,6 +345,8 @@ class EngineClient:
             log.error("ignoring an engine message of unknown kind %r", kind)
 
     def _route(self, items: list[list[Any]]) -> None:
+        if self.state is EngineState.DEAD:
+            return  # read after the death: its streams already failed, or go on elsewhere from what was delivered
         for item in items:
             output = wire.decode_output(item)
             if output.finished and self._on_finished is not None:
@@ -373,6 +380,13 @@ class EngineClient:
         else:
             self._die(f"the engine process died: {how}")
 
+    def _give_up(self, reason: str) -> None:
+        """The engine is dead to the front end though its process may still run: kill that, so that
+        it does not hold its memory and compute requests that continue elsewhere (data parallel)."""
+        self._die(reason)
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+
     def _die(self, reason: str) -> None:
         if self.state is EngineState.DEAD:
             return
@@ -390,15 +404,17 @@ class EngineClient:
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)
             self._ready.exception()  # start() may have stopped waiting; mark it retrieved
-        for future in [*self._acks.values(), *self._stats.values()]:
-            if not future.done():
-                future.set_exception(error)
         streams = set(self._streams.values())
         self._streams.clear()
         for stream in streams:
             if self.state is EngineState.DEAD and self._rescue is not None and self._rescue(stream):
-                continue
-            stream._put(error)
+                for request_id in stream.request_ids:  # taken over elsewhere: nothing to refuse
+                    self._resolve(request_id, None)
+            else:
+                stream._put(error)
+        for future in [*self._acks.values(), *self._stats.values()]:
+            if not future.done():
+                future.set_exception(error)
 
 
 def _reject_error(kind: str, field: str | None, text: str) -> FdError:

@@ -53,8 +53,11 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        """HTTP headers of the response: ``Retry-After`` on a 429."""
-        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else {}
+        """HTTP headers of the response: ``Retry-After`` on a 429; ``Connection: close`` on a 408
+        (the rest of the body it did not wait for is not read)."""
+        if self.status == 429:
+            return {"Retry-After": str(RETRY_AFTER_S)}
+        return {"Connection": "close"} if self.status == 408 else {}
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

@@ -1,7 +1,8 @@
 """Run the OpenAI-compatible server for a validated config until SIGTERM or SIGINT.
 
-On the signal the server drains: new requests get 503, the listening socket closes, requests
-in flight finish, then the engine process stops and ``serve`` returns 0. Requests still in
+On the signal the server drains: the listening socket closes, new requests on open connections
+get 503 with ``Connection: close`` (the connections stay open while requests are in flight),
+requests in flight finish, then the engine process stops and ``serve`` returns 0. Requests still in
 flight after ``server.shutdown_timeout_s`` are answered with 503 (:mod:`fd_core.server.drain`);
 uvicorn's own timeout, which would cut them off, comes :data:`SHUTDOWN_GRACE_S` later. ``serve``
 returns 1 when the engine cannot start, and 3 when the engine process died while serving
@@ -12,6 +13,7 @@ process (and its model load) is started.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Final
 import uvicorn
 
 from fd_core.exit_codes import ExitCode
+from fd_core.server.connections import uvicorn_options
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
 #: How long after ``server.shutdown_timeout_s`` uvicorn cancels what is left (what the drain
 #: could not answer: a stream whose client stopped reading it).
 SHUTDOWN_GRACE_S: Final = 5.0
+#: How often the drain looks whether requests are still in flight (uvicorn's own pace), in seconds.
+DRAIN_POLL_S: Final = 0.1
 
 
 def serve(config: FdConfig) -> int:
@@ -58,7 +63,8 @@ def serve(config: FdConfig) -> int:
     server = _Server(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, lifespan="on",
         log_level=log_level.lower(), access_log=root.isEnabledFor(logging.DEBUG),
-        timeout_graceful_shutdown=config.server.shutdown_timeout_s + SHUTDOWN_GRACE_S), app.state.fd)
+        timeout_graceful_shutdown=config.server.shutdown_timeout_s + SHUTDOWN_GRACE_S,
+        **uvicorn_options(config.server.max_header_bytes, "server.max_header_bytes")), app.state.fd)
     url = f"http://{_url_host(config.server.host)}:{listener.getsockname()[1]}"
     print(f"fd-serve: serving {app.state.fd.model_name!r} at {url}/v1 "
           f"(loading the model; {url}/health answers 200 once it is ready)", flush=True)
@@ -107,4 +113,22 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._state.drain.start()  # the requests in flight have server.shutdown_timeout_s from now
         self._state.client.drain()  # a pool member takes no more work from its peers
-        await super().shutdown(sockets)
+        self._stop_listening(sockets)
+        await self._let_requests_finish()
+        await super().shutdown(sockets)  # closes the connections left (idle by now) and waits for the rest
+
+    def _stop_listening(self, sockets: list[socket.socket] | None) -> None:
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+
+    async def _let_requests_finish(self) -> None:
+        """Wait until no generation request is in flight, the drain's deadline passed (it answers
+        them then) or a second Ctrl+C came, with the open connections kept: a request that arrives
+        on a kept-alive one meanwhile gets the documented 503 (uvicorn would have closed them)."""
+        loop = asyncio.get_running_loop()
+        deadline = self._state.drain.deadline
+        assert deadline is not None, "the drain started"
+        while self._state.in_flight and not self.force_exit and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 #: Most engine requests (prompts x n) one HTTP request may create.
 MAX_CHOICES: Final = 256
 
+#: JSON values a body may hold besides its token ids (its other fields and their items).
+_OTHER_VALUES: Final = 1024
+
 #: How many UTF-8 bytes of text may normalise into one byte: Unicode normalisation (NFC, NFKC)
 #: shrinks text at most threefold (fullwidth "Ａ" or a Hangul jamo triple composing to one syllable).
 _NORMALISATION_SLACK: Final = 3
@@ -41,6 +44,17 @@ class Limits:
     vocab_size: int         # token ids must be below this
     kv_tokens: int          # KV cache capacity in tokens (num_blocks * block_size)
     max_prompt_bytes: int   # a prompt text longer than this (UTF-8) cannot fit max_model_len
+
+    @property
+    def max_body_values(self) -> int:
+        """The most JSON values a servable body holds: :data:`MAX_CHOICES` prompts of token ids, each
+        shorter than ``max_model_len``, ``stop_token_ids`` within the vocabulary, and the other fields."""
+        return MAX_CHOICES * self.max_model_len + self.vocab_size + _OTHER_VALUES
+
+    def values_bound(self) -> str:
+        """Why a body cannot hold more than :attr:`max_body_values` values (for the 413)."""
+        return (f"no request to this model uses more ({MAX_CHOICES} prompts of fewer than max_model_len "
+                f"({self.max_model_len}) token ids, stop_token_ids within the vocabulary ({self.vocab_size}))")
 
     @classmethod
     def from_info(cls, info: dict[str, Any], tokenizer: Any) -> Limits:

@@ -1,13 +1,14 @@
 """The HTTP endpoints: completions, chat completions, models, health and metrics.
 
 A generation request takes a concurrency slot, has its body read (at most
-``server.max_body_bytes``, :mod:`.body`), is parsed, validated and turned into engine requests
-on a worker thread (:mod:`.prepare`), is queued in the engine (all its choices or none), then
-either streams one SSE event per engine delta or collects the whole answer. A client that goes
-away aborts its requests: a streaming response is cancelled by Starlette when the client
-disconnects, and a non-streaming one is watched with ``request.is_disconnected()`` while it
-waits. Every wait runs in a :class:`~fd_core.server.drain.Drain` scope, so that a request still
-in flight when the shutdown timeout runs out is answered with 503 in the usual error shape.
+``server.max_body_bytes``, :mod:`.body`), has its JSON values counted and is parsed, validated
+and turned into engine requests on a worker thread (:mod:`.prepare`), is queued in the engine
+(all its choices or none), then either streams one SSE event per engine delta or collects the
+whole answer. A client that goes away aborts its requests: a streaming response is cancelled by
+Starlette when the client disconnects, and a non-streaming one is watched with
+``request.is_disconnected()`` while it waits. Every wait runs in a
+:class:`~fd_core.server.drain.Drain` scope, so that a request still in flight when the shutdown
+timeout runs out is answered with 503 in the usual error shape.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from fd_core.engine.results import CompletionResult
 from fd_core.errors import EngineDeadError, FdError
 from fd_core.request import FinishReason
 from fd_core.server import sse
-from fd_core.server.body import read_body
+from fd_core.server.body import check_values, read_body
 from fd_core.server.http_errors import ApiError, bad_request, from_exception, from_validation_errors
 from fd_core.server.metrics import CONTENT_TYPE
 from fd_core.server.prepare import build_requests, chat_prompt, completion_prompts
@@ -156,10 +157,10 @@ class _Job:
 
 def _prepare_completion(raw: bytes, state: ServerState) -> _Job:
     """Parse and prepare a /v1/completions body (on a worker thread)."""
-    body = _parse(raw, CompletionRequest, state)
+    limits = _limits(state)
+    body = _parse(raw, CompletionRequest, state, limits)
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported (it needs prompt logprobs)", "echo")
-    limits = _limits(state)
     prompts = completion_prompts(body, state.tokenizer, limits)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = build_requests(body, prompts, max_tokens=body.max_tokens, max_tokens_field="max_tokens",
@@ -172,12 +173,12 @@ def _prepare_completion(raw: bytes, state: ServerState) -> _Job:
 
 def _prepare_chat(raw: bytes, state: ServerState) -> _Job:
     """Parse, template and prepare a /v1/chat/completions body (on a worker thread)."""
-    body = _parse(raw, ChatCompletionRequest, state)
+    limits = _limits(state)
+    body = _parse(raw, ChatCompletionRequest, state, limits)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise bad_request("set max_completion_tokens or max_tokens, not both", "max_tokens")
     field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    limits = _limits(state)
     prompt = chat_prompt(body, state.tokenizer, limits,
                          content_as_text=state.config.server.special_tokens_in_messages == "text")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -190,9 +191,11 @@ def _prepare_chat(raw: bytes, state: ServerState) -> _Job:
     return _Job(requests, renderer, body.stream, body.stream_options)
 
 
-def _parse(raw: bytes, model: type[BodyT], state: ServerState) -> BodyT:
+def _parse(raw: bytes, model: type[BodyT], state: ServerState, limits: Limits) -> BodyT:
     """The body as ``model``, asking for the served model (404 otherwise); parsed as JSON whatever
-    the Content-Type says (curl -d sends a form type)."""
+    the Content-Type says (curl -d sends a form type), once its values are counted (413 for more
+    than any servable request holds)."""
+    check_values(raw, limits.max_body_values, limits.values_bound())
     try:
         body = model.model_validate_json(raw)
     except ValidationError as exc:

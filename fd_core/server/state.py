@@ -84,7 +84,8 @@ class ServerState:
         """Take a concurrency slot or raise 429."""
         limit = self.config.server.max_concurrency
         if self.in_flight >= limit:
-            raise too_many_requests(f"too many requests in flight ({limit}, server.max_concurrency); retry later")
+            raise too_many_requests(f"too many requests: {self.in_flight} in flight, the most server.max_concurrency "
+                                    f"({limit}) allows; retry later")
         self.in_flight += 1
         self.metrics.http_in_flight.inc()
 

@@ -18,9 +18,18 @@ Both sides send ``ALIVE`` for their open hand-offs every ``splitwise.heartbeat_s
 that hears nothing for ``splitwise.stall_timeout_s`` is given up by that side (and ``ABORT``
 sent). Given up on the decode side, the request is asked of another prefill instance (up to
 ``splitwise.max_prefill_attempts`` in all), keeping its reservation, then fails with an error;
-when no prefill instance is registered it waits up to ``stall_timeout_s`` for one to appear;
-on the prefill side, its blocks are freed. Messages of an earlier attempt are ignored. A
-client abort (or any end) on the decode side sends ``ABORT``; a prefill instance that cannot take
-a request (queue full) answers ``ABORT`` at once and the next instance is asked. A reserved
-request preempted on the decode side gives up its hand-off and recomputes its prompt locally.
+when no usable prefill instance is registered it waits up to ``splitwise.peer_wait_s`` for one;
+on the prefill side, its blocks are freed. Messages of an earlier attempt are ignored, and so
+are messages about a hand-off (``BLOCK``, ``DONE``, ``ABORT``, an ``ALIVE``'s entry) from any
+sender but the prefill instance its current attempt asked. The prefill side's ``ALIVE`` says
+which hand-offs it sent every block and the ``DONE`` of; messages between two instances arrive
+in order, so a decode side that hears so without the ``DONE`` (or gets a ``DONE`` with blocks
+missing) knows a message was lost: it sends ``ABORT`` and asks again (the same instance may be
+asked). A connector that does not take a ``BLOCK`` or the ``DONE`` makes the prefill side give
+the hand-off up (``ABORT``, blocks freed). An instance shutting down sends its ``ABORT``s, then
+``FLUSH``, and closes its connector once each peer answered ``FLUSHED`` (or after 2 x
+``heartbeat_s``). A client abort (or any end) on the decode side sends ``ABORT``; a prefill
+instance that cannot take a request (queue full) answers ``ABORT`` at once and the next instance
+is asked. A reserved request preempted on the decode side gives up its hand-off and recomputes
+its prompt locally.
 """

@@ -22,7 +22,7 @@ from fd_core.splitwise.roles import HandoffEvents
 from fd_core.splitwise.side import LinkedSide
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Collection
 
     from fd_core.contracts.connector import Delivery
     from fd_core.contracts.resource_manager import ResourceManager
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from fd_core.splitwise.kv_blocks import KVBlockViews
 
 log = logging.getLogger(__name__)
+#: Seconds between two log lines about messages from a sender other than the prefill instance asked.
+REFUSAL_LOG_EVERY_S = 10.0
 
 
 @dataclass(slots=True, eq=False)
@@ -64,6 +66,8 @@ class DecodeSide(LinkedSide):
         self._transfers: dict[str, _Transfer] = {}          # under the lock
         self._arrived: list[tuple[Request, SampledToken]] = []
         self._failed: list[tuple[Request, FinishReason, str | None]] = []
+        self._next_refusal_log = 0.0   # under the lock
+        self._counters["messages_from_another_peer"] = 0   # listed at 0: an alert on it needs no "absent" rule
 
     # --- engine thread -------------------------------------------------------------------------
 
@@ -102,15 +106,14 @@ class DecodeSide(LinkedSide):
         figures["waiting_for_blocks"] = len(self._waiting_for_room)
         return figures
 
-    def close(self) -> None:
-        """Tell the prefill side of every open hand-off to free its blocks, then stop."""
-        if self._link.closed:
-            return
+    def _say_goodbye(self) -> set[str]:
+        """Tell the prefill side of every open hand-off to free its blocks."""
         with self._lock:
             transfers = list(self._transfers.values())
+        peers = {transfer.peer.address for transfer in transfers if transfer.peer is not None}
         for transfer in transfers:
             self._cancel(transfer.request.request_id, "the decode instance is shutting down")
-        super().close()
+        return peers
 
     def _reserve_waiting(self) -> None:
         """Reserve blocks for waiting requests in order; the first that does not fit waits on."""
@@ -141,19 +144,18 @@ class DecodeSide(LinkedSide):
 
     def on_delivery(self, delivery: Delivery) -> None:
         message = delivery.message
+        kind = message["kind"]
+        if kind == protocol.ALIVE:
+            for transfer in self._hear_alive(message["open"], delivery.sender):
+                self._retry(transfer, f"{self._peer_name(transfer)}: its DONE was lost on the way")
+            return
         with self._lock:
-            transfer = self._transfers.get(message.get("id", ""))
-            current = transfer is not None and message.get("attempt") == transfer.attempt
-            kind = message["kind"]
-            if kind == protocol.ALIVE:
-                for request_id, attempt in message["open"]:
-                    open_transfer = self._transfers.get(request_id)
-                    if open_transfer is not None and open_transfer.attempt == attempt:
-                        open_transfer.heard = time.monotonic()
-                return
-            if not current:
+            transfer = self._current(message.get("id", ""), message.get("attempt"))
+            if transfer is None:
                 return   # ended here, or a late message of an earlier attempt
-            assert transfer is not None
+            if not self._from_its_peer(transfer, delivery.sender):
+                self._refuse_sender(delivery.sender, kind, transfer)
+                return
             transfer.heard = time.monotonic()
             if kind == protocol.BLOCK:
                 self._write(transfer, message["index"], delivery.buffers)
@@ -161,7 +163,27 @@ class DecodeSide(LinkedSide):
         if kind == protocol.DONE:
             self._on_done(transfer, message)
         elif kind == protocol.ABORT:
-            self._ask_next(transfer, f"{transfer.peer.instance_id if transfer.peer else '?'}: {message['reason']}")
+            self._ask_next(transfer, f"{self._peer_name(transfer)}: {message['reason']}")
+
+    def _hear_alive(self, open_entries: list[list[Any]], sender: str) -> list[_Transfer]:
+        """Note that ``sender`` still has these hand-offs; returns those it says it sent DONE for
+        although none arrived (messages between two instances arrive in order: it was lost). An
+        entry naming a hand-off that ``sender`` was not asked for is ignored."""
+        lost, foreign = [], None
+        with self._lock:
+            for request_id, attempt, *state in open_entries:
+                transfer = self._current(request_id, attempt)
+                if transfer is None:
+                    continue
+                if not self._from_its_peer(transfer, sender):
+                    foreign = transfer
+                    continue
+                transfer.heard = time.monotonic()
+                if state and state[0]:   # done_sent (an instance of an earlier version sends no state)
+                    lost.append(transfer)
+            if foreign is not None:   # counted once per ALIVE, however many of its entries are foreign
+                self._refuse_sender(sender, protocol.ALIVE, foreign)
+        return lost
 
     def on_heartbeat(self, now: float) -> None:
         stalled, unplaced, open_by_peer = [], [], {}
@@ -179,12 +201,10 @@ class DecodeSide(LinkedSide):
             self._ask_next(transfer, None)
         for transfer in stalled:
             assert transfer.peer is not None
-            peer = transfer.peer
-            self._send(peer.address, protocol.ABORT, id=transfer.request.request_id, attempt=transfer.attempt,
-                       reason="no message for splitwise.stall_timeout_s")
-            self.connector.forget_peer(peer.address)
+            self._abort_attempt(transfer, "no message for splitwise.stall_timeout_s")
+            self.connector.forget_peer(transfer.peer.address)
             self._count("transfers_stalled")
-            self._ask_next(transfer, f"{peer.instance_id}: silent for {self.settings.stall_timeout_s} s "
+            self._ask_next(transfer, f"{transfer.peer.instance_id}: silent for {self.settings.stall_timeout_s} s "
                                      "(splitwise.stall_timeout_s)")
 
     def _write(self, transfer: _Transfer, index: int, buffers: list[memoryview]) -> None:
@@ -204,8 +224,8 @@ class DecodeSide(LinkedSide):
         request_id = transfer.request.request_id
         missing = len(transfer.blocks) - len(transfer.written)
         if message["blocks"] != len(transfer.blocks) or missing:
-            self._ask_next(transfer, f"{transfer.peer.instance_id}: sent {len(transfer.written)} of "
-                                     f"{len(transfer.blocks)} blocks")
+            self._retry(transfer, f"{transfer.peer.instance_id}: {len(transfer.written)} of "
+                                  f"{len(transfer.blocks)} blocks arrived before its DONE")
             return
         self._send(transfer.peer.address, protocol.ACK, id=request_id, attempt=transfer.attempt)
         token_id, logprob, top = message["token"]
@@ -221,47 +241,106 @@ class DecodeSide(LinkedSide):
             self._counters["kv_prompt_tokens"] += transfer.request.num_prompt_tokens
         self._wake_engine()
 
-    def _ask_next(self, transfer: _Transfer, failure: str | None) -> None:
-        """Ask the next prefill instance (after ``failure`` of the last one), or fail the request."""
+    def _retry(self, transfer: _Transfer, failure: str) -> None:
+        """Give up an attempt that lost a message on the way (the prefill instance is there: it may be
+        asked again): tell it to free its blocks, and ask again."""
+        self._abort_attempt(transfer, failure)
+        self._ask_next(transfer, failure, may_repeat=True)
+
+    def _abort_attempt(self, transfer: _Transfer, reason: str) -> None:
+        assert transfer.peer is not None
+        self._send(transfer.peer.address, protocol.ABORT, id=transfer.request.request_id, attempt=transfer.attempt,
+                   reason=reason)
+
+    def _current(self, request_id: str, attempt: Any) -> _Transfer | None:
+        """The open transfer whose current attempt this is (caller holds the lock); None for a late
+        message of an earlier attempt, or of one given up with no new instance asked yet."""
+        transfer = self._transfers.get(request_id)
+        if transfer is None or transfer.peer is None or transfer.attempt != attempt:
+            return None
+        return transfer
+
+    @staticmethod
+    def _from_its_peer(transfer: _Transfer, sender: str) -> bool:
+        """Whether ``sender`` is the prefill instance the current attempt of ``transfer`` asked: a
+        connector's delivery names its sender by the address that sender's ``start()`` returned,
+        which is the address the directory publishes (issue 41 item 17)."""
+        assert transfer.peer is not None, "a current attempt has its prefill instance"
+        return transfer.peer.address == sender
+
+    def _refuse_sender(self, sender: str, kind: str, transfer: _Transfer) -> None:
+        """Count (and log, at most every :data:`REFUSAL_LOG_EVERY_S`) a message about ``transfer`` from
+        a sender other than its prefill instance; it changes nothing (caller holds the lock)."""
+        self._counters["messages_from_another_peer"] += 1
+        now = time.monotonic()
+        if now >= self._next_refusal_log:
+            self._next_refusal_log = now + REFUSAL_LOG_EVERY_S
+            log.warning("a %s about %r came from %r, not from the prefill instance asked (%s); ignored "
+                        "(%d so far)", kind, transfer.request.request_id, sender[:200], self._peer_name(transfer),
+                        self._counters["messages_from_another_peer"])
+
+    @staticmethod
+    def _peer_name(transfer: _Transfer) -> str:
+        assert transfer.peer is not None, "a current attempt has its prefill instance"
+        return transfer.peer.instance_id
+
+    def _ask_next(self, transfer: _Transfer, failure: str | None, *, may_repeat: bool = False) -> None:
+        """Ask the next prefill instance (after ``failure`` of the last one; ``may_repeat``: the ones
+        tried may be asked again), or fail the request once every attempt is spent or no usable
+        instance came within ``splitwise.peer_wait_s``."""
         request = transfer.request
-        attempts = self.settings.max_prefill_attempts
-        peer = self._choose_peer(transfer.tried) if len(transfer.tried) < attempts else None
+        exhausted = len(transfer.tried) >= self.settings.max_prefill_attempts
+        peer = None if exhausted else self._choose_peer(() if may_repeat else transfer.tried)
         with self._lock:
             if self._transfers.get(request.request_id) is not transfer:
                 return   # cancelled meanwhile
             if failure is not None:
                 self._counters["prefill_attempts_failed"] += 1
+                transfer.last_failure = failure
                 log.warning("prefill of %r failed: %s", request.request_id, failure)
-            if peer is None:
+            if peer is not None:
+                self._place(transfer, peer)
+            elif not exhausted and not self._waited_out(transfer, failure):
                 transfer.peer = None
-                if failure is not None or transfer.unplaced_since is None:
-                    transfer.unplaced_since = time.monotonic()
-                    transfer.last_failure = failure or transfer.last_failure
-                if (len(transfer.tried) >= attempts
-                        or time.monotonic() - transfer.unplaced_since >= self.settings.stall_timeout_s):
-                    del self._transfers[request.request_id]
-                    self._failed.append((request, FinishReason.ERROR, self._no_peer_reason(transfer)))
-                    self._counters["transfers_failed"] += 1
-                else:
-                    return   # asked again at each heartbeat until a prefill instance is there
+                return   # asked again at each heartbeat until a prefill instance is there
             else:
-                transfer.unplaced_since = None
-                transfer.attempt += 1
-                transfer.peer = peer
-                transfer.tried.append(peer.instance_id)
-                transfer.written.clear()
-                transfer.first_block = None
-                transfer.heard = time.monotonic()
+                del self._transfers[request.request_id]
         if peer is None:
-            self._wake_engine()
+            self._fail(transfer, self._failure_reason(transfer, exhausted))
             return
         sent = self._send(peer.address, protocol.PREFILL, id=request.request_id, attempt=transfer.attempt,
                           request=wire.encode_request(request), layout=self.me.layout)
         if not sent:
             self._ask_next(transfer, f"{peer.instance_id} does not take messages")
 
-    def _choose_peer(self, tried: list[str]) -> PeerInfo | None:
-        """The least loaded compatible prefill instance not tried yet for this request."""
+    @staticmethod
+    def _place(transfer: _Transfer, peer: PeerInfo) -> None:
+        """Start the next attempt of ``transfer`` with ``peer`` (caller holds the lock)."""
+        transfer.unplaced_since = None
+        transfer.attempt += 1
+        transfer.peer = peer
+        transfer.tried.append(peer.instance_id)
+        transfer.written.clear()
+        transfer.first_block = None
+        transfer.heard = time.monotonic()
+
+    def _waited_out(self, transfer: _Transfer, failure: str | None) -> bool:
+        """True once ``transfer`` waited ``splitwise.peer_wait_s`` for a prefill instance; the wait
+        starts anew after each failed attempt (caller holds the lock)."""
+        now = time.monotonic()
+        if failure is not None or transfer.unplaced_since is None:
+            transfer.unplaced_since = now
+        return now - transfer.unplaced_since >= self.settings.peer_wait_s
+
+    def _fail(self, transfer: _Transfer, reason: str) -> None:
+        """End a request whose hand-off was given up (already out of ``_transfers``) with ``reason``."""
+        with self._lock:
+            self._failed.append((transfer.request, FinishReason.ERROR, reason))
+            self._counters["transfers_failed"] += 1
+        self._wake_engine()
+
+    def _choose_peer(self, tried: Collection[str]) -> PeerInfo | None:
+        """The least loaded compatible prefill instance not in ``tried``."""
         loads: dict[str, int] = {}
         with self._lock:
             for open_transfer in self._transfers.values():
@@ -292,13 +371,17 @@ class DecodeSide(LinkedSide):
             if mismatch is not None:
                 log.warning("prefill instance %s", mismatch)
 
-    def _no_peer_reason(self, transfer: _Transfer) -> str:
-        failure = transfer.last_failure
-        if failure is not None:
+    def _failure_reason(self, transfer: _Transfer, exhausted: bool) -> str:
+        """Why the request's prompt was computed nowhere: the attempts were spent, or no usable prefill
+        instance was there (saying which are registered but cannot pair, and why)."""
+        if exhausted:
             return (f"the prompt could not be computed by a prefill instance after {len(transfer.tried)} "
-                    f"attempt(s) (splitwise.max_prefill_attempts); last: {failure}")
+                    f"attempt(s) (splitwise.max_prefill_attempts); last: {transfer.last_failure}")
+        waited = f"no prefill instance was available within {self.settings.peer_wait_s} s (splitwise.peer_wait_s)"
+        if transfer.last_failure is not None:
+            return f"{waited}; last: {transfer.last_failure}"
         where = " on this host" if self.connector.same_host_only else ""
         unfit = [m for m in map(self._mismatch, self.directory.peers("prefill")) if m is not None]
-        return (f"no live prefill instance with connector {self.me.connector!r} and this KV layout is "
-                f"registered{where}; start one with splitwise.role = 'prefill'"
+        return (f"{waited}: no live prefill instance with connector {self.me.connector!r} and this KV layout "
+                f"is registered{where}; start one with splitwise.role = 'prefill'"
                 + (f" (registered but unfit: {'; '.join(unfit)})" if unfit else ""))

@@ -34,12 +34,13 @@ if TYPE_CHECKING:
 class _Job:
     """A prompt computed for a decode instance."""
 
-    request: Request        # local copy; its id is ``<decode side's id>@<decode side's address>``
+    request: Request        # local copy; its id is ``<decode side's id>#<attempt>@<decode side's address>``
     origin: str             # the decode side's address
     remote_id: str
     attempt: int
     heard: float            # last message from the decode side (monotonic)
     computing: bool = False # handed to the engine
+    done_sent: bool = False # every block and DONE were taken by the connector (link thread)
 
 
 class PrefillSide(LinkedSide):
@@ -89,22 +90,19 @@ class PrefillSide(LinkedSide):
             token = result.sampled.pop(request_id)
             fields = protocol.token_fields(token.token_id, token.logprob, token.top_logprobs)
             num_blocks = len(prompt_blocks)
-            self._link.call(lambda j=job, n=num_blocks, t=fields: self._send(
-                j.origin, protocol.DONE, id=j.remote_id, attempt=j.attempt, blocks=n, token=t))
+            self._link.call(lambda j=job, n=num_blocks, t=fields: self._send_done(j, n, t))
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._shipping
 
-    def close(self) -> None:
-        """Tell every decode side with an open hand-off here to ask elsewhere, then stop."""
-        if self._link.closed:
-            return
+    def _say_goodbye(self) -> set[str]:
+        """Tell every decode side with an open hand-off here to ask elsewhere."""
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
             self._link.call(lambda j=job: self._send(j.origin, protocol.ABORT, id=j.remote_id, attempt=j.attempt,
                                                      reason="the prefill instance is shutting down"))
-        super().close()
+        return {job.origin for job in jobs}
 
     def forget(self, request_id: str) -> None:
         self._shipping.discard(request_id)
@@ -132,14 +130,14 @@ class PrefillSide(LinkedSide):
         if kind == protocol.ALIVE:
             with self._lock:
                 for remote_id, attempt in message["open"]:
-                    job = self._jobs.get(_local_id(remote_id, delivery.sender))
-                    if job is not None and job.attempt == attempt:
+                    job = self._jobs.get(_local_id(remote_id, attempt, delivery.sender))
+                    if job is not None:
                         job.heard = time.monotonic()
             return
-        local_id = _local_id(message["id"], delivery.sender)
+        local_id = _local_id(message["id"], message["attempt"], delivery.sender)
         with self._lock:
             job = self._jobs.get(local_id)
-            if job is None or job.attempt != message["attempt"]:
+            if job is None:
                 return
             if kind == protocol.ACK:
                 self._end(job, FinishReason.LENGTH, None)
@@ -156,7 +154,7 @@ class PrefillSide(LinkedSide):
                 if now - job.heard > self.settings.stall_timeout_s:
                     stalled.append(job)
                 else:
-                    open_by_peer.setdefault(job.origin, []).append([job.remote_id, job.attempt])
+                    open_by_peer.setdefault(job.origin, []).append([job.remote_id, job.attempt, job.done_sent])
         self._send_alive(open_by_peer)
         for job in stalled:
             self._send(job.origin, protocol.ABORT, id=job.remote_id, attempt=job.attempt,
@@ -175,14 +173,14 @@ class PrefillSide(LinkedSide):
 
     def _on_prefill(self, origin: str, message: dict[str, Any]) -> None:
         remote = wire.decode_request(message["request"])
-        local = dataclasses.replace(remote, request_id=_local_id(remote.request_id, origin),
+        local = dataclasses.replace(remote, request_id=_local_id(remote.request_id, message["attempt"], origin),
                                     output_token_ids=[])
         refusal = None
         if message["layout"] != self.me.layout:
             refusal = f"KV layout differs: {message['layout']} here is {self.me.layout}"
         with self._lock:
-            old = self._jobs.get(local.request_id)
-            if old is not None:   # a retry of ours: the decode side moved on from the earlier attempt
+            for old in [j for j in self._jobs.values() if j.origin == origin and j.remote_id == remote.request_id]:
+                # an earlier attempt (its ABORT lost): the decode side moved on from it
                 self._end(old, FinishReason.ABORT, "superseded by a later attempt")
             if refusal is None and len(self._queued) >= self.max_queued:
                 refusal = f"its queue is full ({self.max_queued} prompts, server.max_queue_size)"
@@ -199,13 +197,40 @@ class PrefillSide(LinkedSide):
         self._wake_engine()
 
     def _ship(self, job: _Job, index: int, block_id: int) -> None:
-        with self._lock:
-            if self._jobs.get(job.request.request_id) is not job:
-                return   # ended meanwhile; its blocks may already be someone else's
+        if not self._is_open(job):
+            return   # ended meanwhile; its blocks may already be someone else's
         buffers = self.kv.read(block_id)
         if self._send(job.origin, protocol.BLOCK, buffers, id=job.remote_id, attempt=job.attempt, index=index):
             self._count("blocks_sent")
             self._count("bytes_sent", sum(b.nbytes for b in buffers))
+        else:
+            self._give_up(job, f"block {index} was not taken by the connector (the decode side's queue is full)")
+
+    def _send_done(self, job: _Job, num_blocks: int, token: list[object]) -> None:
+        """Send DONE once every block went; from then on ALIVE says so, which lets the decode side
+        tell a DONE lost on the way from one not sent yet."""
+        if not self._is_open(job):
+            return
+        if not self._send(job.origin, protocol.DONE, id=job.remote_id, attempt=job.attempt, blocks=num_blocks,
+                          token=token):
+            self._give_up(job, "DONE was not taken by the connector (the decode side's queue is full)")
+            return
+        with self._lock:
+            job.done_sent = True
+
+    def _give_up(self, job: _Job, reason: str) -> None:
+        """End a job whose hand-off cannot complete: tell the decode side (it asks again, or after
+        ``stall_timeout_s`` if this is lost too) and free the blocks."""
+        self._send(job.origin, protocol.ABORT, id=job.remote_id, attempt=job.attempt, reason=reason)
+        with self._lock:
+            if self._jobs.get(job.request.request_id) is job:
+                self._end(job, FinishReason.ABORT, f"the hand-off was given up: {reason}")
+                self._counters["jobs_given_up"] += 1
+        self._wake_engine()
+
+    def _is_open(self, job: _Job) -> bool:
+        with self._lock:
+            return self._jobs.get(job.request.request_id) is job
 
     def _end(self, job: _Job, reason: FinishReason, error: str | None) -> None:
         """Drop a job (caller holds the lock); one the engine holds is ended there next step."""
@@ -236,5 +261,7 @@ class ShippingIsNotAVictim:
         return others[-1] if others else needed_by
 
 
-def _local_id(remote_id: str, origin: str) -> str:
-    return f"{remote_id}@{origin}"
+def _local_id(remote_id: str, attempt: int, origin: str) -> str:
+    """The engine's id of one attempt: each is a request of its own here (an attempt given up may
+    still be in the engine, ending, when the next one arrives)."""
+    return f"{remote_id}#{attempt}@{origin}"

@@ -14,7 +14,11 @@ BLOCK: Final = "block"       # prefill -> decode: id, attempt, index (position i
 DONE: Final = "done"         # prefill -> decode: id, attempt, blocks (how many were shipped), token
 ACK: Final = "ack"           # decode -> prefill: id, attempt
 ABORT: Final = "abort"       # either way: id, attempt, reason
-ALIVE: Final = "alive"       # either way: open [[id, attempt], ...]
+FLUSH: Final = "flush"       # either way, from an instance shutting down after its ABORTs: answer FLUSHED
+FLUSHED: Final = "flushed"   # the answer: every message sent before the FLUSH arrived (no fields)
+ALIVE: Final = "alive"       # decode -> prefill: open [[id, attempt], ...];
+#                              prefill -> decode: open [[id, attempt, done_sent], ...] (done_sent: every
+#                              BLOCK and the DONE went, so a DONE that has not arrived was lost)
 
 
 def token_fields(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> list[object]:

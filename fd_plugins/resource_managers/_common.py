@@ -116,9 +116,8 @@ class QueuedBlockManager(ResourceManager):
         table.ids.extend(b.block_id for b in new)
 
     def _start_running(self, request: Request, table: BlockTable) -> None:
-        """Move the head of ``waiting`` to the tail of ``running`` with ``table``."""
-        assert self.waiting[0] is request
-        self.waiting.popleft()
+        """Move ``request`` from ``waiting`` to the tail of ``running`` with ``table``."""
+        self.waiting.remove(request)
         self.tables[request.request_id] = table
         self.running.append(request)
         request.status = RequestStatus.RUNNING

@@ -62,8 +62,8 @@ class LocalScheduler(Scheduler):
     def put_request(self, request: Request) -> None:
         with self._lock:
             if len(self._waiting) >= self.max_queue_size:
-                raise QueueFullError(f"request queue is full ({self.max_queue_size} waiting; raise "
-                                     f"{self.queue_limit_key} or retry)")
+                raise QueueFullError(f"request queue is full: {len(self._waiting)} waiting, the most "
+                                     f"{self.queue_limit_key} ({self.max_queue_size}) allows; retry, or raise it")
             self._waiting.append(request)
             self._has_requests.notify()
 

@@ -4,14 +4,18 @@ Requests reach a decode instance from its own front end and queue as with ``loca
 order hook, TTL, size limit). What it adds is the directory (:class:`PeerDirectory`): every
 prefill and decode instance publishes itself (role, connector address and name, host, KV layout,
 load) as ``fd:{topic}:sw:peer:{instance_id}``, renewed every ``heartbeat_s`` with a lifetime of
-``lease_s``, and listed in the set ``fd:{topic}:sw:peers``. A decode instance reads the
-directory at most once per ``heartbeat_s`` (the engine loop never waits on Redis for it) and
-picks the least loaded compatible prefill instance; an instance whose entry expired (it died)
-is no longer listed and is dropped from the set by whoever notices.
+``lease_s``, and listed in the set ``fd:{topic}:sw:peers``; an instance whose entry expired (it
+died) is no longer listed and is dropped from the set by whoever notices.
 
-Redis unreachable at start-up is a config error naming ``scheduler.options.url``; lost later,
-the directory keeps its last listing (a peer that died meanwhile is found out by the hand-off's
-own timeouts) and says ``degraded`` in /health until Redis answers again.
+All Redis I/O after start-up runs on the directory's own thread: once per ``heartbeat_s`` it
+renews this instance's entry and reads every entry into a cached listing. :meth:`peers`,
+:meth:`report_load` and :meth:`stats` only touch memory, so a slow or black-holed Redis never
+holds up a hand-off or the engine loop. While Redis answers, the listing is at most
+``heartbeat_s`` plus one round of Redis calls old; while it does not (each call gives up after
+``socket_timeout_s``), the last listing is kept (a peer that died meanwhile is found out by the
+hand-off's own timeouts) and /health says ``degraded`` until Redis answers again.
+
+Redis unreachable at start-up is a config error naming ``scheduler.options.url``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import dataclasses
 import json
 import logging
 import threading
-import time
 from typing import Any, ClassVar
 
 import redis
@@ -71,9 +74,7 @@ class SplitwiseScheduler(LocalScheduler, PeerDirectory):
         self._prefix = f"fd:{settings.topic}:sw"
         self._me: PeerInfo | None = None
         self._load = 0
-        self._listing: list[PeerInfo] = []
-        self._listed_at = 0.0
-        self._listing_lock = threading.Lock()
+        self._listing: list[PeerInfo] = []   # replaced whole by the directory thread
         self._unreadable: set[tuple[str, bytes]] = set()   # directory entries said to be unreadable
         self._degraded: str | None = None
         self._stop = threading.Event()
@@ -82,8 +83,10 @@ class SplitwiseScheduler(LocalScheduler, PeerDirectory):
     # --- PeerDirectory -------------------------------------------------------------------------
 
     def join(self, me: PeerInfo) -> None:
+        """Publish ``me`` and read the directory once (at start-up, in the caller's thread); from
+        then on both run on the directory thread."""
         self._me = me
-        self._publish()
+        self._renew()
         self._heartbeat.start()
         log.info("joined the prefill/decode directory %r as %s (%s at %s)", self.settings.topic,
                  me.instance_id, me.role, me.address)
@@ -92,17 +95,14 @@ class SplitwiseScheduler(LocalScheduler, PeerDirectory):
         self._load = load
 
     def peers(self, role: str) -> list[PeerInfo]:
-        with self._listing_lock:
-            if time.monotonic() - self._listed_at >= self.settings.heartbeat_s:
-                self._refresh_listing()
-            listing = self._listing
+        """From the cached listing (see the module docstring for how old it may be); no Redis I/O."""
+        listing = self._listing
         return sorted((p for p in listing if p.role == role), key=lambda p: (p.load, p.instance_id))
 
     # --- Scheduler -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        with self._listing_lock:
-            listing = list(self._listing)
+        listing = self._listing
         figures: dict[str, Any] = {"peers_prefill": sum(p.role == "prefill" for p in listing),
                                    "peers_decode": sum(p.role == "decode" for p in listing),
                                    "redis_up": int(self._degraded is None)}
@@ -130,7 +130,15 @@ class SplitwiseScheduler(LocalScheduler, PeerDirectory):
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):
-            self._publish()
+            try:
+                self._renew()
+            except Exception:   # one bad round must not end the directory's thread
+                log.exception("the prefill/decode directory failed to renew; it tries again next heartbeat")
+
+    def _renew(self) -> None:
+        """Renew this instance's entry, then read the listing (the directory thread, after join)."""
+        self._publish()
+        self._refresh_listing()
 
     def _publish(self) -> None:
         assert self._me is not None
@@ -146,11 +154,10 @@ class SplitwiseScheduler(LocalScheduler, PeerDirectory):
             self._regain_redis()
 
     def _refresh_listing(self) -> None:
-        """Read every live entry (caller holds the listing lock)."""
-        self._listed_at = time.monotonic()
+        """Read every live entry into the cached listing; without Redis, keep the last one."""
         me = self._me.instance_id if self._me is not None else None
         try:
-            members = sorted(m.decode() for m in self._redis.smembers(f"{self._prefix}:peers"))
+            members = sorted(self._readable_members(self._redis.smembers(f"{self._prefix}:peers")))
             entries = self._redis.mget([self._key(m) for m in members]) if members else []
         except redis.RedisError as exc:
             self._lose_redis(exc)
@@ -168,6 +175,22 @@ class SplitwiseScheduler(LocalScheduler, PeerDirectory):
                 pass
         self._listing = listing
 
+    def _readable_members(self, members: set[bytes]) -> list[str]:
+        """The set's instance ids; one that is not UTF-8 (no instance wrote it) is left out, said once."""
+        readable = []
+        for member in members:
+            try:
+                readable.append(member.decode())
+            except UnicodeDecodeError:
+                self._say_unreadable(member.decode(errors="replace"), member, "it is not UTF-8")
+        return readable
+
+    def _say_unreadable(self, member: str, entry: bytes, why: str) -> None:
+        if (member, entry) not in self._unreadable:
+            self._unreadable.add((member, entry))
+            log.warning("peer directory entry of %r is not one this version reads (%s); not pairing with it",
+                        member, why)
+
     def _peer_info(self, member: str, entry: bytes) -> PeerInfo | None:
         """A directory entry as a peer, or None for one that does not decode (damaged, or written by
         another fd-engine version with other fields): never paired with, said once per entry."""
@@ -175,10 +198,7 @@ class SplitwiseScheduler(LocalScheduler, PeerDirectory):
             data = json.loads(entry)
             return PeerInfo(**data)
         except (ValueError, TypeError) as exc:
-            if (member, entry) not in self._unreadable:
-                self._unreadable.add((member, entry))
-                log.warning("peer directory entry of %r is not one this version reads (%s: %s); not pairing "
-                            "with it", member, type(exc).__name__, exc)
+            self._say_unreadable(member, entry, f"{type(exc).__name__}: {exc}")
             return None
 
     def _lose_redis(self, exc: Exception) -> None:

@@ -91,7 +91,8 @@ def test_the_queue_full_error_names_the_plugins_own_limit():
 
     scheduler = Capped(None, hooks=None, max_queue_size=1)
     scheduler.put_request(Request("a", [1]))
-    with pytest.raises(QueueFullError, match="raise scheduler.options.max_waiting or retry"):
+    with pytest.raises(QueueFullError,
+                       match=r"the most scheduler.options.max_waiting \(1\) allows; retry, or raise it"):
         scheduler.put_request(Request("b", [1]))
 
 

@@ -12,25 +12,33 @@ request one token behind.
 2. RUNNING requests, in admission order, while budget is left: ``n = min(behind, budget)``,
    chunked (``fd_prefill_chunk_size`` hook, else ``long_prefill_token_threshold``); blocks are
    taken for ``computed + n`` tokens. When the pool runs dry a victim is preempted
-   (``fd_select_preemption_victim``, default: the last admitted) by recompute: it loses its
-   blocks and its row if it had one this step (the budget is refunded), gets
-   ``num_computed_tokens = 0`` and goes back to the *front* of ``waiting``. A request that
-   preempts itself is not scheduled this step.
-3. WAITING requests, FIFO, only if nothing was preempted this step and while fewer than
-   ``max_num_seqs`` run: prefix-cache hits first, then the rest is chunked as above. With
+   (``fd_select_preemption_victim``, default: the last admitted of the call running the most
+   requests, see ``Request.call_id``) by recompute: it loses its blocks and its row if it had
+   one this step (the budget is refunded), gets ``num_computed_tokens = 0`` and goes back to
+   the *front* of ``waiting``. A request that preempts itself is not scheduled this step.
+3. WAITING requests, only if nothing was preempted this step and while fewer than
+   ``max_num_seqs`` run, calls taking turns: next is the first waiting request of the calls
+   running the fewest requests (FIFO when every request is a call of its own), so that the
+   preempted choices of a large-``n`` call do not stay ahead of another call's request (issue 41
+   item 20). Prefix-cache hits first, then the rest is chunked as above. With
    chunked prefill off, a prompt that does not fit the budget left waits (and, FCFS, so does
    everyone behind it) — unless it is longer than the whole budget, in which case it is chunked
    anyway since it could never run otherwise. The first request whose blocks do not fit stops
-   admission (strict FCFS).
+   admission (strict FCFS in that order), except for a request whose call runs none: for it,
+   victims are preempted as above (hook, else the default) while the victim's call runs two or
+   more requests, until its blocks fit, so that one call's choices cannot hold the whole pool
+   while another call waits.
 
 Liveness: the engine admits only requests whose ``prompt + max_tokens`` fits the pool, and the
-default victim is the last admitted, so the oldest running request can always take the whole
-pool and finish.
+default victim is never the oldest running request while another runs (it would be the latest
+admitted of its call, so its call would run one request, so would every call, and the victim is
+then the last admitted), so the oldest running request can always take the whole pool and finish.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -119,7 +127,7 @@ class V1ResourceManager(QueuedBlockManager):
             i += 1
 
         if not preempted:
-            budget = self._admit_waiting(rows, budget, now)
+            budget = self._admit_waiting(rows, preempted, budget, now)
         return StepPlan(list(rows.values()), preempted, self.limits.max_num_batched_tokens - budget)
 
     def finish_requests(self, requests: list[Request], reason: FinishReason) -> None:
@@ -139,11 +147,12 @@ class V1ResourceManager(QueuedBlockManager):
 
     # --- steps of schedule -------------------------------------------------------------------
 
-    def _admit_waiting(self, rows: dict[str, ScheduledRequest], budget: int, now: float) -> int:
-        """Admit waiting requests FIFO into the budget left; return what is left then."""
+    def _admit_waiting(self, rows: dict[str, ScheduledRequest], preempted: list[str], budget: int,
+                       now: float) -> int:
+        """Admit waiting requests, calls taking turns, into the budget left; return what is left then."""
         bs = self.limits.block_size
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            request = self.waiting[0]
+            request = self._next_waiting()
             hits = self._cache_hits_for(request)
             num_cached = len(hits) * bs
             behind = request.num_tokens - num_cached
@@ -153,7 +162,11 @@ class V1ResourceManager(QueuedBlockManager):
             new_blocks = cdiv(num_cached + n, bs) - len(hits)
             revived = sum(1 for b in hits if b.ref_cnt == 0)   # hits that leave the free queue
             if new_blocks + revived > self.pool.num_free:
-                break
+                refund = self._preempt_for_newcomer(request, rows, preempted)
+                if refund is None:
+                    break
+                budget += refund
+                continue   # the victim's blocks are free (some may be hits): look at the request again
             if self.prefix_cache is not None:
                 self._cache_queries += request.num_tokens
                 self._cache_hits += num_cached
@@ -188,7 +201,33 @@ class V1ResourceManager(QueuedBlockManager):
 
         victim = self._decisions.decide("fd_select_preemption_victim", is_running, running=running,
                                       needed_by=needed_by)
-        return self.running[-1] if victim is None else victim
+        return self._default_victim() if victim is None else victim
+
+    def _preempt_for_newcomer(self, request: Request, rows: dict[str, ScheduledRequest],
+                              preempted: list[str]) -> int | None:
+        """Preempt one request so that ``request``, whose call runs none, gets blocks: the victim
+        (``fd_select_preemption_victim``, else the default) must belong to a call running two or
+        more. Returns the budget its row gave back, or None when there is no such victim."""
+        running = Counter(r.call_id for r in self.running)
+        if running[request.call_id]:
+            return None
+        victim = self._select_victim(request)
+        if running[victim.call_id] < 2:
+            return None
+        preempted.append(victim.request_id)
+        return self._preempt(victim, rows)
+
+    def _default_victim(self) -> Request:
+        """The last admitted request of the call running the most (the last admitted when each
+        request is a call of its own)."""
+        running = Counter(r.call_id for r in self.running)
+        most = max(running.values())
+        return next(r for r in reversed(self.running) if running[r.call_id] == most)
+
+    def _next_waiting(self) -> Request:
+        """The first waiting request of the calls running the fewest requests."""
+        running = Counter(r.call_id for r in self.running)
+        return min(self.waiting, key=lambda r: running[r.call_id])
 
     def _preempt(self, victim: Request, rows: dict[str, ScheduledRequest]) -> int:
         """Recompute-preempt ``victim``; return the budget its row of this step gave back."""

@@ -153,6 +153,7 @@ class GlobalScheduler(Scheduler):
         self._to_withdraw: set[str] = set()             # own ids whose records may still be in Redis
         self._want = 0                                  # requests the engine could take beyond the ready ones
         self._room = True                               # the engine's KV cache has room (note_capacity)
+        self._free_slots: int | None = None             # the engine's free request slots (None: not told)
         self._draining = False
         self._next_steal = 0.0                          # monotonic time of the next steal attempt
         self._puts = 0                                  # puts into the own Redis queue so far
@@ -196,8 +197,9 @@ class GlobalScheduler(Scheduler):
         rank's request moved here after its rank died) goes on after those tokens, wherever it runs."""
         with self._lock:
             if len(self._originated) >= self.max_queue_size:
-                raise QueueFullError(f"request queue is full ({self.max_queue_size} requests of this instance "
-                                     "unanswered; raise server.max_queue_size or retry)")
+                raise QueueFullError(f"request queue is full: {len(self._originated)} of this instance's requests "
+                                     f"unanswered, the most server.max_queue_size ({self.max_queue_size}) allows; "
+                                     "retry, or raise it")
             record = self._originated[request.request_id] = _Originated(request, list(request.output_token_ids))
             if self._degraded is not None:
                 self._queue_locally(record)
@@ -300,13 +302,14 @@ class GlobalScheduler(Scheduler):
             cancelled, self._cancelled = self._cancelled, []
             return cancelled
 
-    def note_capacity(self, kv: KVStats) -> None:
+    def note_capacity(self, kv: KVStats, free_slots: int) -> None:
         """Take requests from Redis (own or peers') only while the KV cache has room to start them:
-        none waits in the resource manager and a block is free (or nothing runs at all)."""
+        none waits in the resource manager and a block is free (or nothing runs at all). Take from
+        peers only into free slots (fair sharing may ask for own requests beyond them)."""
         room = kv.num_waiting == 0 and (kv.num_free_blocks > 0 or kv.num_running == 0)
-        if room != self._room:
+        if room != self._room or free_slots != self._free_slots:
             with self._lock:
-                self._room = room
+                self._room, self._free_slots = room, free_slots
                 self._io.notify()
 
     def drain(self) -> None:
@@ -575,14 +578,15 @@ class GlobalScheduler(Scheduler):
             return None
         need = self._want - len(self._ready)
         take = need > 0 and self._room and not self._stop.is_set()
+        slots = need if self._free_slots is None else self._free_slots - len(self._ready)
         now = time.monotonic()
-        may_steal = take and not self._draining and now >= self._next_steal
+        may_steal = take and slots > 0 and not self._draining and now >= self._next_steal
         job = _IoJob(self._outgoing, list(self._to_withdraw), need if take and self._own_queue_may_hold else 0,
-                     min(need, self.settings.steal_batch) if may_steal else 0)
+                     min(need, slots, self.settings.steal_batch) if may_steal else 0)
         if job.outgoing or job.withdraw or job.take_own or job.steal:
             self._outgoing = []
             return job
-        return self._next_steal - now if take and not self._draining else None
+        return self._next_steal - now if take and slots > 0 and not self._draining else None
 
     def _run(self, job: _IoJob) -> None:
         settings = self.settings

@@ -6,6 +6,8 @@ Every answer through the router is compared with what a backend answers directly
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ import pytest
 
 from tests.fd_core.router.conftest import API_KEY, KEY, RouterProcess, start_router, wait_for
 from tests.fd_core.server.conftest import ServerProcess, free_port
-from tests.fd_core.server.test_requests import metric, metrics, sse_events, wait_all_blocks_free
+from tests.fd_core.server.test_requests import metric, metrics, read_response, sse_events, wait_all_blocks_free
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 MAX_TOKENS = 24
@@ -199,6 +201,40 @@ def test_the_routers_own_limits_answer_429_and_413_without_a_backend(backends, t
         assert ok.status_code == 200  # the slot came back when the stream ended
     finally:
         assert process.stop() == 0, process.log()
+
+
+def test_a_client_trickling_its_body_holds_no_slot_and_gets_a_408_naming_the_timeout(backends, tmp_path: Path):
+    process = start_router(tmp_path, [b.url for b in backends], "--router.max_concurrency", "1",
+                           "--router.body_timeout_s", "3", name="trickled")
+    stop = threading.Event()
+    try:
+        with socket.create_connection(("127.0.0.1", process.port), timeout=30) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\nAuthorization: Bearer " + API_KEY.encode() + b"\r\n\r\n{")
+            trickling = threading.Thread(target=trickle, args=(slow, stop))
+            trickling.start()
+            stop.wait(1.0)  # the slow client has been sending for a second
+            other = httpx.post(process.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                               headers=KEY, timeout=30)
+            assert other.status_code == 200, other.text  # the one slot was free: the slow body holds none
+            status, headers, body = read_response(slow)
+            stop.set()
+            trickling.join()
+        assert status == 408 and headers["connection"] == "close"
+        error = json.loads(body)["error"]
+        assert error["code"] == "request_timeout" and "router.body_timeout_s (3 s)" in error["message"]
+    finally:
+        stop.set()
+        assert process.stop() == 0, process.log()
+
+
+def trickle(sock: socket.socket, stop: threading.Event) -> None:
+    """Send a byte of body every quarter second until ``stop`` (a client on a very slow link)."""
+    while not stop.wait(0.25):
+        try:
+            sock.send(b" ")
+        except OSError:
+            return
 
 
 def test_sigterm_stops_the_router_with_exit_0(backends, tmp_path: Path):

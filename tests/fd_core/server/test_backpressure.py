@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.fd_core.server.conftest import start_server
+from tests.fd_core.server.test_requests import metric, metrics
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,16 @@ def eventually_serves(url: str) -> None:
     assert status == 200
 
 
-def stream(url: str, accepted: threading.Event, running: threading.Event) -> int:
+def wait_until_nothing_waits(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while metric(metrics(url), "fd_num_requests_waiting") > 0:
+        assert time.monotonic() < deadline, metrics(url)
+        time.sleep(0.02)
+
+
+def stream(url: str, accepted: threading.Event, running: threading.Event, max_tokens: int = 300) -> int:
     """Stream a long completion; ``accepted`` when the engine queued it, ``running`` at its first token."""
-    body = {"prompt": list(range(100, 110)), "max_tokens": 300, "ignore_eos": True, "stream": True}
+    body = {"prompt": list(range(100, 110)), "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     count = 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
@@ -55,7 +63,31 @@ def test_concurrency_limit_is_429_until_a_slot_frees(server):
         assert events[1][0].wait(30)  # queued behind the first
         response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert response.status_code == 429, response.text
-        assert "max_concurrency" in response.json()["error"]["message"]
+        assert ("too many requests: 2 in flight, the most server.max_concurrency (2) allows"
+                in response.json()["error"]["message"])
         assert response.headers["Retry-After"] == "1"
         assert [first.result(timeout=60), second.result(timeout=60)] == [300, 300]
     eventually_serves(server.url)
+
+
+def test_a_request_that_fits_is_accepted_right_after_an_all_or_nothing_refusal(server):
+    # The running stream leaves the one queue place free; a request of two choices queues one and
+    # is refused for the other. That one must be withdrawn before the 429 goes out: the next
+    # request, which fits, is accepted at once (it got a 429 when the engine loop withdrew it later).
+    accepted, running = threading.Event(), threading.Event()
+    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=60) as client:
+        long = pool.submit(stream, server.url, accepted, running, 480)
+        assert running.wait(30)
+        for _ in range(5):
+            refused = client.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2})
+            assert refused.status_code == 429, refused.text
+            assert ("request queue is full: 1 waiting, the most server.max_queue_size (1) allows"
+                    in refused.json()["error"]["message"])
+            fits = {"prompt": "hi", "max_tokens": 2, "stream": True}
+            with client.stream("POST", server.url + "/v1/completions", json=fits) as response:
+                assert response.status_code == 200, response.read()
+            wait_until_nothing_waits(server.url)  # closing it aborted it
+        assert not long.done()  # the refusals happened while the queue's one place was the only room
+        assert long.result(timeout=60) == 480
+    eventually_serves(server.url)
+

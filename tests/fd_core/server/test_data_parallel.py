@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,9 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fd_core.request import SamplingParams
-from fd_core.server.data_parallel import split_cpus
-from tests.fd_core.server.conftest import TINY_ARGS, start_server
+from fd_core.config import load_config
+from fd_core.errors import EngineDeadError
+from fd_core.outputs import RequestOutput
+from fd_core.request import FinishReason, Request, SamplingParams
+from fd_core.server import wire
+from fd_core.server.data_parallel import DataParallelClient, split_cpus
+from tests.fd_core.server.conftest import START_TIMEOUT_S, TINY_ARGS, start_server
 from tests.fd_core.server.test_lifecycle import read_stream
 from tests.fd_core.server.test_pool import PROMPTS, _wait_for
 from tests.fd_core.server.test_requests import metric, metrics
@@ -82,7 +87,11 @@ def test_two_ranks_answer_like_one_share_the_work_and_free_every_block(tiny_mode
         assert not [e for stream in events for e in stream if '"error"' in e]
         texts = ["".join(json.loads(e)["choices"][0]["text"] for e in stream[:-1]) for stream in events]
         assert texts == reference["long"], "a stream continued on rank 0 differs from one uninterrupted run"
-        assert metric(metrics(server.url), "fd_dp_requests_continued_total") == 1
+        text = metrics(server.url)
+        assert metric(text, "fd_dp_requests_continued_total") == 1
+        # each request finished once (no late final of the dead rank counted), nothing left placed
+        assert metric(text, "fd_request_finished_total", '{finish_reason="length"}') == 8 + 2
+        assert [metric(text, "fd_dp_rank_tokens_in_flight", f'{{rank="{r}"}}') for r in "01"] == [0, 0]
         health = _wait_for(lambda: (h := httpx.get(server.url + "/health")).json()["status"] == "degraded" and h,
                            "/health to say degraded")
         assert health.status_code == 200
@@ -112,3 +121,177 @@ def test_traced_hook_figures_of_the_ranks_are_summed_by_hook_and_plugin() -> Non
     merged = _sum_stats([rank(2, 0.5), rank(3, 0.25)])
     assert merged["hooks"] == [{"hook": "fd_order_waiting", "plugin": "p", "calls": 5, "errors": 0, "seconds": 0.75}]
     assert merged["num_steps"] == 5
+
+
+# --- the DataParallelClient in-process, against real rank processes ------------------------------
+
+PROMPT_IDS = ([5, 6, 7, 8], [9, 10, 11])
+
+
+def _request(request_id: str, max_tokens: int, prompt: list[int] = PROMPT_IDS[0]) -> Request:
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def _run_ranks(tiny_model: Path, body, size: int = 2, observe=None, **settings):
+    """Run ``body(client, finished)`` against a started DataParallelClient of ``size`` ranks;
+    ``finished`` collects every final output it passes on (what /metrics counts), each also
+    given to ``observe`` when set."""
+    config = load_config(model={"source": str(tiny_model)}, cache={"num_blocks": 128},
+                         parallel={"data_parallel_size": size}, **settings)
+    finished: list[RequestOutput] = []
+
+    def on_finished(output: RequestOutput) -> None:
+        finished.append(output)
+        if observe is not None:
+            observe(output)
+
+    async def main():
+        client = DataParallelClient(config, log_level="WARNING", on_finished=on_finished)
+        try:
+            await client.start(timeout=START_TIMEOUT_S)
+            return await body(client, finished)
+        finally:
+            await client.shutdown()
+
+    return asyncio.run(main())
+
+
+async def _tokens(outputs) -> dict[str, list[int]]:
+    """Each request's output tokens; every request must end exactly once."""
+    tokens: dict[str, list[int]] = {}
+    ends: list[str] = []
+    async for output in outputs:
+        tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if output.finished:
+            ends.append(output.request_id)
+    assert sorted(ends) == sorted(tokens), ends
+    return tokens
+
+
+async def _until(condition, what: str, timeout: float = 60) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _kill(client: DataParallelClient, rank: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    os.kill(client.ranks[rank]._process.pid, sig)
+
+
+async def _in_flight(client: DataParallelClient) -> list[int]:
+    return [rank["tokens_in_flight"] for rank in (await client.stats())["ranks"]]
+
+
+async def _all_blocks_free(client: DataParallelClient) -> bool:
+    return all(rank["kv"]["num_free_blocks"] == rank["kv"]["num_blocks"]
+               for rank in (await client.stats())["ranks"] if rank["up"])
+
+
+def test_requests_sent_to_a_rank_that_dies_before_acknowledging_them_complete_on_a_live_rank(tiny_model) -> None:
+    async def body(client, finished):
+        reference = await _tokens(await client.add([_request("ref-a", 40), _request("ref-b", 40, PROMPT_IDS[1])]))
+        busy = await client.add([_request("busy", 300)])                      # rank 0: the next call goes to rank 1
+        _kill(client, 1, signal.SIGSTOP)                                        # rank 1 cannot acknowledge
+        sending = asyncio.create_task(client.add([_request("a", 40), _request("b", 40, PROMPT_IDS[1])]))
+        await asyncio.sleep(0)                                                  # sent to rank 1; waiting for its ACK
+        assert not sending.done()
+        _kill(client, 1)
+        moved = await _tokens(await asyncio.wait_for(sending, 60))
+        assert moved == {"a": reference["ref-a"], "b": reference["ref-b"]}
+        await _tokens(busy)
+        assert client.num_rescued == 2
+        assert [o.request_id for o in finished].count("a") == 1
+        assert await _in_flight(client) == [0, 0]
+        assert await _all_blocks_free(client)
+
+    _run_ranks(tiny_model, body)
+
+
+def test_a_dead_ranks_late_final_output_does_not_unplace_the_request_continued_elsewhere(tiny_model) -> None:
+    async def body(client, finished):
+        reference = await _tokens(await client.add([_request("ref", 200)]))
+        outputs = aiter(await client.add([_request("x", 200)]))                # rank 0 (both idle)
+        first = await anext(outputs)
+        _kill(client, 0)
+        await _until(lambda: client.num_rescued == 1, "the stream to continue on rank 1")
+        # what rank 0 sent just before it died, read after its death was handled (the sentinel and
+        # the socket are read in no fixed order): its final output for "x"
+        late = RequestOutput("x", new_token_ids=[1], finished=True, finish_reason=FinishReason.LENGTH,
+                             num_prompt_tokens=4, num_output_tokens=200)
+        client.ranks[0]._handle([wire.OUTPUTS, [wire.encode_output(late)]])
+        assert await _in_flight(client) == [0, len(PROMPT_IDS[0]) + 200], "the continuation was un-placed"
+        rest = await _tokens(outputs)
+        assert first.new_token_ids + rest["x"] == reference["ref"]
+        assert [o.request_id for o in finished].count("x") == 1
+        assert await _in_flight(client) == [0, 0]
+        assert await _all_blocks_free(client)
+
+    _run_ranks(tiny_model, body)
+
+
+def test_a_refused_continuation_fails_its_stream_and_leaves_no_load_behind(tiny_model) -> None:
+    prompt = len(PROMPT_IDS[0])
+
+    async def body(client, finished):
+        first = aiter(await client.add([_request("r0", 150)]))   # rank 0 (one sequence per rank)
+        await anext(first)                                         # running: the next one on rank 0 waits
+        doomed = await client.add([_request("x", 450)])    # rank 1
+        third = await client.add([_request("r2", 400)])    # rank 2, running
+        queued = await client.add([_request("q0", 20)])    # rank 0 (least loaded): queued, its queue now full
+        _kill(client, 1)                                    # x goes to rank 0, which refuses it: queue full
+        with pytest.raises(EngineDeadError, match="rank 0 could not take the request over: .*queue is full"):
+            await _tokens(doomed)
+        for stream in (first, queued, third):
+            await _tokens(stream)
+        assert await _in_flight(client) == [0, 0, 0]
+        streams = [await client.add([_request(name, 200)]) for name in ("a", "b")]
+        assert await _in_flight(client) == [prompt + 200, 0, prompt + 200], "new requests not balanced"
+        for stream in streams:
+            await _tokens(stream)
+        assert await _in_flight(client) == [0, 0, 0]
+        assert await _all_blocks_free(client)
+
+    _run_ranks(tiny_model, body, size=3, engine={"max_num_seqs": 1}, server={"max_queue_size": 1})
+
+
+def test_a_continuation_whose_new_rank_dies_before_acknowledging_it_moves_on_again(tiny_model) -> None:
+    async def body(client, finished):
+        reference = await _tokens(await client.add([_request("ref", 200)]))
+        outputs = aiter(await client.add([_request("x", 200)]))                # rank 0 (all idle)
+        first = await anext(outputs)
+        _kill(client, 1, signal.SIGSTOP)                                        # rank 1 cannot acknowledge
+        _kill(client, 0)
+        await _until(lambda: client.num_rescued == 1, "the continuation to be sent to rank 1")
+        _kill(client, 1)
+        rest = await _tokens(outputs)
+        assert first.new_token_ids + rest["x"] == reference["ref"]
+        assert client.num_rescued == 2
+        assert [o.request_id for o in finished].count("x") == 1
+        assert await _in_flight(client) == [0, 0, 0]
+        assert await _all_blocks_free(client)
+
+    _run_ranks(tiny_model, body, size=3)
+
+
+def test_a_rank_the_front_end_gives_up_on_is_killed_and_its_requests_continue_elsewhere(tiny_model) -> None:
+    def observe(output):
+        if output.request_id == "boom":
+            raise RuntimeError("metrics bug")
+
+    async def body(client, finished):
+        reference = await _tokens(await client.add([_request("ref", 200)]))
+        x = aiter(await client.add([_request("x", 200)]))                      # rank 0
+        other = await client.add([_request("other", 300)])                     # rank 1
+        boom = await client.add([_request("boom", 4)])                          # rank 0: its final breaks the reader
+        with pytest.raises(EngineDeadError, match="rank 0: the front end stopped reading .*metrics bug"):
+            await _tokens(boom)
+        process = client.ranks[0]._process
+        await asyncio.get_running_loop().run_in_executor(None, process.join, 20)
+        assert process.exitcode == -signal.SIGKILL, "rank 0 was left running its requests"
+        assert (await _tokens(x))["x"] == reference["ref"]
+        await _tokens(other)
+        assert await _in_flight(client) == [0, 0]
+        assert await _all_blocks_free(client)
+
+    _run_ranks(tiny_model, body, observe=observe)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +85,43 @@ def test_requests_in_flight_when_the_shutdown_timeout_runs_out_get_the_documente
     assert error["code"] == "server_shutting_down" and "server.shutdown_timeout_s" in error["message"]
     assert len(events) > 2  # tokens came before the error
     assert "timeout graceful shutdown exceeded" not in server.log()  # nothing was left for uvicorn to cut
+
+
+def wait_until_not_listening(port: int) -> None:
+    """Return once a new connection to ``port`` is refused (the drain closed the listener)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except ConnectionRefusedError:
+            return
+        assert time.monotonic() < deadline, "still listening 30 s after SIGTERM"
+        time.sleep(0.02)
+
+
+def test_a_request_on_a_kept_alive_connection_during_the_drain_gets_the_documented_503(tiny_model, tmp_path):
+    server = start_server(tmp_path, "--model.source", str(tiny_model), *TINY_ARGS)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    body = {"prompt": list(range(100, 120)), "max_tokens": 480, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    try:
+        assert client.models.list().data  # opens the connection the request below reuses
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(read_stream, server.url, body, started)
+            assert started.wait(30)
+            server.proc.send_signal(signal.SIGTERM)
+            wait_until_not_listening(server.port)
+            with pytest.raises(openai.InternalServerError) as info:
+                client.completions.create(model=str(tiny_model), prompt="hi", max_tokens=2)
+            events = stream.result(timeout=60)
+        assert server.proc.wait(timeout=60) == 0, server.log()
+    finally:
+        server.stop()
+    assert info.value.status_code == 503 and info.value.code == "server_shutting_down"
+    assert info.value.response.headers["connection"] == "close"
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 480
+    assert not any("error" in json.loads(e) for e in events[:-1])
 
 
 def test_engine_killed_by_sigkill_is_named_everywhere_then_fd_serve_exits_3(tiny_model, tmp_path):

@@ -4,9 +4,12 @@ on stop strings and n x max_tokens, in fd-serve and in the engine itself."""
 from __future__ import annotations
 
 import json
+import re
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,8 +17,9 @@ import pytest
 
 from fd_core.errors import RequestError
 from fd_core.request import MAX_CHOICE_TOKENS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from fd_core.server.body import count_values
 from tests.fd_core.server.conftest import TINY_ARGS, start_server
-from tests.fd_core.server.test_requests import assert_error, assert_still_serving
+from tests.fd_core.server.test_requests import assert_error, assert_still_serving, post
 
 #: server.max_body_bytes of the server under test.
 LIMIT = 2**20
@@ -93,6 +97,33 @@ def test_health_sent_while_a_maximal_body_is_prepared_is_answered_first(server):
     assert finished == ["health", "big request"]
 
 
+def rss_bytes(pid: int) -> int:
+    """The resident memory of process ``pid``."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB$", status, re.MULTILINE).group(1)) * 1024
+
+
+def test_millions_of_token_ids_are_refused_unparsed_while_health_answers_and_memory_stays(tiny_server):
+    # 3.9 M ids in 7.8 MB, under the default server.max_body_bytes: parsed whole, they held the GIL
+    # for seconds and left the front end hundreds of MiB larger for good
+    body = json.dumps({"prompt": [7] * 3_900_000, "max_tokens": 1}, separators=(",", ":")).encode()
+    assert len(body) < 8 * 2**20
+    before = rss_bytes(tiny_server.proc.pid)
+    health_s: list[float] = []
+    with ThreadPoolExecutor(1) as pool:
+        posted = pool.submit(lambda: [post(tiny_server.url, "/v1/completions", body) for _ in range(4)])
+        while not posted.done():
+            start = time.monotonic()
+            assert httpx.get(tiny_server.url + "/health", timeout=60).status_code == 200
+            health_s.append(time.monotonic() - start)
+        responses = posted.result()
+    grown = rss_bytes(tiny_server.proc.pid) - before
+    assert max(health_s) < 2.0, health_s  # parsing one such body took 3-5 s with the GIL held
+    assert grown < 100 * 2**20, f"the front end grew by {grown >> 20} MiB"
+    for response in responses:
+        assert_error(response, 413, "more than 132608 JSON values", "counted 3900001", "max_model_len (512)")
+
+
 @pytest.mark.parametrize(("path", "extra", "words", "param"), [
     ("/v1/completions", {"stop": ["a"] * (MAX_STOP_STRINGS + 1)},
      [f"at most {MAX_STOP_STRINGS} stop strings", f"got {MAX_STOP_STRINGS + 1}"], "stop"),
@@ -134,3 +165,12 @@ def test_the_offline_llm_refuses_the_same_requests(llm, params, field, words):
         llm.generate([[5, 6, 7]], params)
     assert info.value.field == field and words in str(info.value)
     assert llm.engine.scheduler.num_waiting() == 0
+
+
+@pytest.mark.parametrize(("body", "count"), [
+    (b'{"prompt": [1, 2, 3], "max_tokens": 4}', 4),
+    (b'{"prompt": "a, b, \\"c, d\\", e\\\\", "stop": [",", "\\\\,"]}', 3),   # commas and escapes in strings
+    (b'{"messages": [{"role": "user", "content": "x,y"}]}', 2),
+])
+def test_values_are_counted_by_the_commas_outside_strings(body, count):
+    assert count_values(body) == count

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 from typing import Any, Final
 
 import httpx
+import openai
 import pytest
 from pydantic import ValidationError
 
@@ -148,6 +150,44 @@ def test_api_key_is_required(tiny_server):
     assert models["data"][0]["max_model_len"] == 512
     assert httpx.get(tiny_server.url + "/health", timeout=10).status_code == 200  # health needs no key
     assert_still_serving(tiny_server.url)
+
+
+def test_a_64_kb_bearer_token_on_a_reused_connection_is_a_401_and_a_head_over_the_limit_a_431(tiny_server):
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="sk-test", max_retries=0, timeout=30)
+    assert client.models.list().data  # the connection the next two reuse
+    with pytest.raises(openai.AuthenticationError) as wrong:
+        client.with_options(api_key="k" * 64 * 1024).models.list()
+    with pytest.raises(openai.APIStatusError) as huge:
+        client.with_options(api_key="k" * 160 * 1024).models.list()
+    assert wrong.value.status_code == 401 and "API key" in wrong.value.message
+    assert huge.value.status_code == 431
+    assert "server.max_header_bytes allows 131072 bytes" in huge.value.message
+    assert client.models.list().data
+
+
+def test_a_head_still_incomplete_past_the_limit_is_answered_431_before_the_client_sent_it_all(tiny_server):
+    with socket.create_connection(("127.0.0.1", tiny_server.port), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"k" * 160 * 1024)
+        status, headers, body = read_response(sock)
+        assert sock.recv(1) == b""  # closed after the answer, not reset
+    assert status == 431 and headers["connection"] == "close"
+    assert "server.max_header_bytes" in json.loads(body)["error"]["message"]
+    assert_still_serving(tiny_server.url)
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of one HTTP/1.1 response with a Content-Length, read from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    while len(body) < int(headers["content-length"]):
+        body += sock.recv(65536)
+    return int(status_line.split()[1]), headers, body
 
 
 # --- responses -------------------------------------------------------------------------------

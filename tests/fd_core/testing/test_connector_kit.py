@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import zmq
 
 from fd_core.testing.conformance import (
     ConformanceError,
@@ -23,6 +24,12 @@ def test_the_built_ins_pass_every_check_with_a_real_hand_off(cls, tiny_model_dir
     report = check_connector(cls, model_dir=tiny_model_dir)
     assert all(r.status == "passed" for r in report.results), report
     assert [r.check for r in report.results][-2:] == ["handoff", "handoff_abort"]
+
+
+def test_zmq_with_curve_keys_passes_every_check_with_a_real_hand_off(tiny_model_dir):
+    secret = zmq.curve_keypair()[1].decode()   # one key pair for both instances
+    report = check_connector(ZmqConnector, options={"curve_secret_key": secret}, model_dir=tiny_model_dir)
+    assert all(r.status == "passed" for r in report.results), report
 
 
 def test_a_factory_and_options_work():

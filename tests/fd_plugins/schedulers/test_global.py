@@ -510,11 +510,13 @@ def test_a_member_with_a_full_kv_cache_or_draining_takes_nothing_from_a_peer(poo
     assert a.get_requests(0, timeout=0) == []
     for i in range(3):
         a.put_request(_request(f"r{i}"))
-    b.note_capacity(KVStats(num_blocks=64, num_free_blocks=0, num_running=3, num_waiting=0))
+    b.note_capacity(KVStats(num_blocks=64, num_free_blocks=0, num_running=3, num_waiting=0), 5)
     assert b.get_requests(4, timeout=0.5) == []
-    b.note_capacity(KVStats(num_blocks=64, num_free_blocks=20, num_running=3, num_waiting=1))
+    b.note_capacity(KVStats(num_blocks=64, num_free_blocks=20, num_running=3, num_waiting=1), 5)
     assert b.get_requests(4, timeout=0.5) == []
-    b.note_capacity(KVStats(num_blocks=64, num_free_blocks=20, num_running=3, num_waiting=0))
+    b.note_capacity(KVStats(num_blocks=64, num_free_blocks=20, num_running=3, num_waiting=0), 0)
+    assert b.get_requests(4, timeout=0.5) == []   # no free slot: asked for more (fair sharing) takes no peer's
+    b.note_capacity(KVStats(num_blocks=64, num_free_blocks=20, num_running=3, num_waiting=0), 5)
     assert [r.request_id for r in _take(b, 1)] == ["r0"]
     b.drain()
     assert b.get_requests(4, timeout=0.5) == []

@@ -49,7 +49,8 @@ def test_full_queue_is_a_clear_error_and_loses_nothing():
     s = _scheduler()
     for rid in "abc":
         s.put_request(_request(rid))
-    with pytest.raises(QueueFullError, match=r"request queue is full \(3 waiting"):
+    with pytest.raises(QueueFullError, match=r"request queue is full: 3 waiting, the most "
+                       r"server.max_queue_size \(3\) allows"):
         s.put_request(_request("d"))
     assert s.num_waiting() == 3
 

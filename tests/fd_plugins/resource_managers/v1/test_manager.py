@@ -224,3 +224,60 @@ def test_max_num_seqs_caps_running_requests(hooks, make_request):
         rm.add_request(make_request(f"r{i}", 3))
     plan = rm.schedule()
     assert len(plan.scheduled) == 2 and rm.stats().num_waiting == 2
+
+
+def _choice(make_request: Any, call: str, index: int, prompt: int = 6, max_tokens: int = 8) -> Any:
+    request = make_request(f"{call}{index}", prompt, max_tokens=max_tokens)
+    request.group_id = call
+    return request
+
+
+def test_the_default_victim_is_the_last_admitted_choice_of_the_call_running_most(hooks, make_request, step):
+    """A single request admitted after a large-n call's choices is not their victim (issue 41 item 20)."""
+    rm = _v1(hooks, num_blocks=6, enable_prefix_caching=False)
+    big = [_choice(make_request, "big", i) for i in range(2)]
+    small = make_request("small", 6, max_tokens=8)
+    for request in (*big, small):
+        rm.add_request(request)
+    for _ in range(3):                     # each holds 2 blocks; all three reach their 9th token at once
+        assert step(rm).preempted_ids == []
+    plan = step(rm)
+    assert plan.preempted_ids == ["big1"] and small in [row.request for row in plan.scheduled]
+
+
+def test_waiting_requests_of_the_call_running_fewest_are_admitted_first(hooks, make_request):
+    """Calls take turns: a large-n call's waiting choices do not stay ahead of another call's request."""
+    rm = _v1(hooks, max_num_seqs=3)
+    choices = [_choice(make_request, "big", i, prompt=3) for i in range(4)]
+    small = make_request("small", 3)
+    for request in (*choices, small):
+        rm.add_request(request)
+    planned = [row.request.request_id for row in rm.schedule().scheduled]
+    assert planned == ["big0", "small", "big1"]   # big0 runs, so small (its call runs none) goes next
+
+
+def test_a_call_running_none_gets_blocks_from_the_call_running_most(hooks, make_request, step):
+    """A large-n call's choices holding every block do not keep another call's request out."""
+    rm = _v1(hooks, num_blocks=4, enable_prefix_caching=False)
+    big = [_choice(make_request, "big", i) for i in range(2)]
+    for request in big:
+        rm.add_request(request)
+    step(rm)                               # each choice holds 2 blocks: the pool is dry
+    small = make_request("small", 3, max_tokens=2)
+    rm.add_request(small)
+    plan = step(rm)
+    assert plan.preempted_ids == ["big1"] and [row.request for row in plan.scheduled] == [big[0], small]
+    assert plan.total_num_tokens == 1 + 3
+    while rm.has_unfinished():
+        step(rm)
+    assert rm.num_free_blocks() == 4 and all(len(r.output_token_ids) == 8 for r in big)
+
+
+def test_a_single_request_never_preempts_another_to_be_admitted(hooks, make_request, step):
+    rm = _v1(hooks, num_blocks=4, enable_prefix_caching=False)
+    for rid in "ab":
+        rm.add_request(make_request(rid, 6, max_tokens=8))
+    step(rm)
+    rm.add_request(make_request("c", 3))
+    plan = step(rm)
+    assert plan.preempted_ids == [] and rm.waiting[0].request_id == "c"
