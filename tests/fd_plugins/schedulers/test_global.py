@@ -286,6 +286,46 @@ def test_a_redis_with_a_password_serves_a_pool_and_errors_never_show_it(make_red
     assert "not-it" not in str(info.value)
 
 
+def test_a_pool_over_tls_with_a_password_takes_steals_and_answers(make_redis_server, tmp_path) -> None:
+    """``rediss://``: both members' connections (commands and the blocking result reader) over TLS."""
+    import shutil
+    import subprocess
+
+    from tests.fd_core.server.conftest import free_port
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (apt-get install openssl; .ci/run installs it)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    tls_port = free_port()
+    make_redis_server(password="tls-s3cret", extra_args=(   # its plain port stays, for the readiness check
+        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"))
+    url = f"rediss://:tls-s3cret@127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}"
+    a, b = (GlobalScheduler(GlobalSchedulerSettings(url=url, instance_id=name, **FAST), hooks=_no_hooks(),
+                            max_queue_size=8) for name in ("a", "b"))
+    try:
+        for i in range(3):
+            a.put_request(_request(f"r{i}"))
+        mine = a.get_requests(1, timeout=1)
+        stolen = _take(b, 2)
+        assert sorted(r.request_id for r in mine + stolen) == ["r0", "r1", "r2"] and len(stolen) == 2
+        for request in mine + stolen:
+            (a if request in mine else b).put_results([_output(request, 9, finished=True)])
+        got = _results_until(a, lambda got: sum(o.finished for o in got) == 3)
+        assert sorted(o.request_id for o in got if o.finished) == ["r0", "r1", "r2"]
+    finally:
+        a.close()
+        b.close()
+    untrusted = f"rediss://:tls-s3cret@127.0.0.1:{tls_port}/0"   # the self-signed certificate is not trusted
+    with pytest.raises(ConfigError) as info:
+        GlobalScheduler(GlobalSchedulerSettings(url=untrusted, **FAST), hooks=_no_hooks(), max_queue_size=4)
+    assert info.value.key == "scheduler.options.url" and "tls-s3cret" not in str(info.value)
+    assert "certificate" in str(info.value).lower()
+
+
 def test_a_redis_cluster_node_is_refused_at_start_up(make_redis_server) -> None:
     """The scripts take key names from ARGV, which a cluster cannot route: refused, not half-working."""
     from tests.fd_core.server.conftest import free_port
