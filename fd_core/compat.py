@@ -37,7 +37,8 @@ BREAKING: Final[dict[int, dict[str, str]]] = {
                             "replaces it) and a manager no longer sets FINISHED"},
     3: {"connector": "the Connector contract became the transport of the core's prefill/decode hand-off "
                      "(start/send/receive/wake and block messages replace send(KVTransfer)/receive())"},
-    4: {"architecture": "the model-architecture seam was added (a plugin of it cannot predate it)"},
+    4: {"architecture": "the model-architecture seam was added (a plugin of it cannot predate it)",
+        "guided_decoding": "the guided-decoding seam was added (a plugin of it cannot predate it)"},
 }
 
 #: Version -> what it changed compatibly (a plugin written before it needs no change for it).
@@ -45,7 +46,8 @@ ADDITIONS: Final[dict[int, str]] = {
     2: "ResourceManager.supports_prefix_caching was added; Platform.capabilities is read per instance",
     3: "ResourceManager.reserve was added (optional, for decode instances)",
     4: "the model-architecture seam (fd.models entry points, the fd_register_models hook) was added; "
-       "Scheduler.note_capacity and Scheduler.drain were added (optional)",
+       "Scheduler.note_capacity and Scheduler.drain were added (optional); the guided-decoding seam "
+       "(fd.guided_decoding, fd_register_guided_decoding) was added",
 }
 
 #: Deprecated versions keep loading (where their seam allows) up to, not including, this release.

@@ -206,6 +206,14 @@ class ArchitectureSection(SeamSection):
         "the built-in); a plugin's name runs every checkpoint with it."))
 
 
+class GuidedDecodingSection(SeamSection):
+    """The guided-decoding backend (fd.guided_decoding) that applies response_format and guided_* constraints."""
+
+    name: str = Field("xgrammar", description=(
+        "Compiles constraints (JSON schema, regex, grammar, choices) and masks each step's logits; where its "
+        "library is not installed, constrained requests are refused with the fix."))
+
+
 class SplitwiseSection(_Section):
     """Prefill/decode disaggregation: this instance's role and the hand-off's time limits."""
 
@@ -344,6 +352,7 @@ class FdConfig(BaseSettings):
     splitwise: SplitwiseSection = SplitwiseSection()
     platform: PlatformSection = PlatformSection()
     architecture: ArchitectureSection = ArchitectureSection()
+    guided_decoding: GuidedDecodingSection = GuidedDecodingSection()
     parallel: ParallelSection = ParallelSection()
     server: ServerSection = ServerSection()
     plugins: PluginsSection = PluginsSection()

@@ -23,7 +23,8 @@ Versions (``fd_core.compat`` lists what each changed; ``CHANGELOG.md`` says how 
 * 1 — the first release.
 * 2 — the engine core alone ends requests (token processor and resource manager contracts).
 * 3 — the ``Connector`` contract became the transport of the core's prefill/decode hand-off.
-* 4 — the model-architecture seam (``fd.models``, ``fd_register_models``).
+* 4 — the model-architecture seam (``fd.models``, ``fd_register_models``) and the guided-decoding
+  seam (``fd.guided_decoding``, ``fd_register_guided_decoding``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def fd_register_platforms() -> list[type]:
 @hookspec
 def fd_register_models() -> list[type]:
     """Return ModelArchitecture classes to register. Added in version 4."""
+
+
+@hookspec
+def fd_register_guided_decoding() -> list[type]:
+    """Return GuidedDecodingBackend classes to register. Added in version 4."""
 
 
 # --- decisions (firstresult; added in version 1) --------------------------------------------

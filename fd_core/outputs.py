@@ -57,16 +57,19 @@ class SampledToken:
     token_id: int
     logprob: float | None = None                           # of the sampled token
     top_logprobs: list[tuple[int, float]] | None = None    # (token id, logprob), best first
+    error: str | None = None    # the row could not be sampled (its constraint allows no token); token_id is -1
 
 
 @dataclass(slots=True)
 class StepResult:
     """What the model runner returns for a :class:`StepPlan`.
 
-    ``sampled`` has an entry for exactly the rows whose ``sample`` flag was set.
+    ``sampled`` has an entry for exactly the rows whose ``sample`` flag was set, except rows in
+    ``failed`` (guided decoding found no token their constraint allows): the core ends those.
     """
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)   # request id -> token
+    failed: dict[str, str] = field(default_factory=dict)   # request id -> why its row could not be sampled
 
     @classmethod
     def make_empty(cls) -> StepResult:

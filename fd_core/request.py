@@ -45,6 +45,14 @@ MAX_CHOICE_TOKENS: Final = 2**18
 #: accept; lower runs first under a priority hook, 0 is the default (as in vLLM).
 MIN_PRIORITY: Final = -1000
 MAX_PRIORITY: Final = 1000
+#: Kinds of constraint a request may carry (see :class:`GuidedDecoding`).
+GUIDED_KINDS: Final = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+#: Longest constraint text, in characters: compiling one is work for the engine's CPU.
+MAX_GUIDED_SPEC_CHARS: Final = 128 * 1024
+#: Most ``logit_bias`` entries per request (OpenAI allows 300).
+MAX_LOGIT_BIAS_ENTRIES: Final = 1024
+#: ``logit_bias`` values lie in ``[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]`` (OpenAI's range).
+LOGIT_BIAS_LIMIT: Final = 100.0
 
 
 def check_priority(value: object) -> int:
@@ -62,6 +70,30 @@ def check_priority(value: object) -> int:
         raise ValueError(f"priority: must be between {MIN_PRIORITY} and {MAX_PRIORITY} (lower runs first), "
                          f"got {number}")
     return number
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """A constraint on the text a request may generate, applied token by token as a mask.
+
+    ``kind`` is one of :data:`GUIDED_KINDS`; ``spec`` is, by kind: ``json`` a JSON schema (JSON
+    text), ``json_object`` empty (any JSON object), ``regex`` a regular expression the whole
+    output matches, ``choice`` a JSON list of strings (the output is one of them), ``grammar`` an
+    EBNF grammar (GBNF, as llama.cpp writes it), ``structural_tag`` a structural tag (JSON text,
+    the backend's format). The guided-decoding backend compiles it; one that does not compile is
+    refused with the request.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def problem(self) -> str | None:
+        """What is wrong with it before compiling (kind, size), or None."""
+        if self.kind not in GUIDED_KINDS:
+            return f"kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}"
+        if len(self.spec) > MAX_GUIDED_SPEC_CHARS:
+            return f"the constraint must be at most {MAX_GUIDED_SPEC_CHARS} characters, got {len(self.spec)}"
+        return None
 
 
 @dataclass(slots=True)
@@ -84,6 +116,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None    # top-n logprobs per sampled token; None: off
     n: int = 1
+    guided: GuidedDecoding | None = None   # a constraint on the output (guided decoding); None: free
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
@@ -112,9 +146,22 @@ class SamplingParams:
         if longest > MAX_STOP_STRING_CHARS:
             raise ValueError(f"stop: each stop string must be at most {MAX_STOP_STRING_CHARS} characters, "
                              f"got one of {longest}")
+        if self.guided is not None and (problem := self.guided.problem()) is not None:
+            raise ValueError(f"guided: {problem}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+        if any(not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT for bias in self.logit_bias.values()):
+            raise ValueError(f"logit_bias: each bias must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         if self.n * self.max_tokens > MAX_CHOICE_TOKENS:
             raise ValueError(f"max_tokens: n x max_tokens must be at most {MAX_CHOICE_TOKENS} tokens, got "
                              f"{self.n} x {self.max_tokens} = {self.n * self.max_tokens}; lower max_tokens or n")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the sampler must change this row's logits before picking (penalties, a bias,
+        a constraint): such a row leaves the all-greedy fast path."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias) or self.guided is not None)
 
     @property
     def greedy(self) -> bool:

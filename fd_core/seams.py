@@ -44,6 +44,7 @@ SEAMS: Final = (
     Seam("connector", "splitwise connector", "connectors", "Connector"),
     Seam("platform", "platform", "platforms", "Platform"),
     Seam("architecture", "model architecture", "models", "ModelArchitecture"),
+    Seam("guided_decoding", "guided decoding backend", "guided_decoding", "GuidedDecodingBackend"),
 )
 #: Seam name -> its descriptor.
 BY_NAME: Final = {seam.name: seam for seam in SEAMS}

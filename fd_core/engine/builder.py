@@ -29,7 +29,10 @@ if TYPE_CHECKING:
     from fd_core.contracts.platform import Platform
     from fd_core.engine.core import EngineCore
     from fd_core.model.kernels import KernelSet
+    from fd_core.model.tokenizer import Tokenizer
     from fd_core.registry import Registry
+    from fd_core.runner.constraints import Constraints
+    from fd_core.selection import SelectedPlugin
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +102,12 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     from fd_core.runner.model_runner import WARMUP_PROMPT_TOKENS, ModelRunner
     from fd_core.runner.sampling import Sampler
 
+    constraints = build_constraints(selection["guided_decoding"], loaded.tokenizer, arch.vocab_size)
     runner = ModelRunner(loaded.architecture, arch, loaded.weights, num_blocks=kv.num_blocks,
                          block_size=config.cache.block_size,
                          dtype=config.model.dtype, kv_dtype=kv_cache_dtype(config), device=platform.device_string(),
-                         sampler=Sampler(seed=config.model.seed), num_threads=platform.num_threads(),
+                         sampler=Sampler(seed=config.model.seed, constraints=constraints),
+                         num_threads=platform.num_threads(),
                          kernels=kernels, linear_weights=config.model.linear_weights,
                          linear_inputs=config.model.linear_inputs,
                          attention_inputs=config.model.attention_inputs)
@@ -134,9 +139,25 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
         tracer.install(selection.registry.plugin_manager)
     core = EngineCore(scheduler=scheduler, resource_manager=resource_manager, token_processor=token_processor,
                       runner=runner, limits=limits, hooks=hooks, tokenizer=loaded.tokenizer,
-                      model_name=model_name, config=config, handoff=handoff, hook_tracer=tracer)
+                      model_name=model_name, config=config, handoff=handoff, hook_tracer=tracer,
+                      constraints=constraints)
     handoff.start(core.wake)
     return core
+
+
+def build_constraints(selected: SelectedPlugin, tokenizer: Tokenizer, vocab_size: int) -> Constraints:
+    """The engine's guided decoding through the selected backend; a backend that cannot run here
+    (its library missing) is logged once, and constrained requests are refused with its reason."""
+    from fd_core.contracts.guided_decoding import GuidedDecodingUnavailable
+    from fd_core.runner.constraints import Constraints
+
+    try:
+        backend = selected.create(vocabulary=tokenizer.vocabulary(vocab_size))
+    except GuidedDecodingUnavailable as exc:
+        log.warning("guided decoding is off: %s", exc)
+        return Constraints(None, vocab_size=vocab_size, unavailable=str(exc))
+    log.info("guided decoding: %s", selected.name)
+    return Constraints(backend, vocab_size=vocab_size)
 
 
 def choose_kernels(platform: Platform, platform_reason: str, worker_env: dict[str, str],

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from fd_core.contracts.token_processor import TokenProcessor
     from fd_core.hook_trace import HookTracer
     from fd_core.outputs import SampledToken
+    from fd_core.runner.constraints import Constraints
     from fd_core.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -91,10 +92,14 @@ class EngineCore:
     def __init__(self, *, scheduler: Scheduler, resource_manager: ResourceManager,
                  token_processor: TokenProcessor, runner: ModelRunner | Any, limits: KVLimits,
                  hooks: Any, tokenizer: Any, model_name: str, config: FdConfig | None = None,
-                 handoff: EngineHandoff = MIXED, hook_tracer: HookTracer | None = None) -> None:
+                 handoff: EngineHandoff = MIXED, hook_tracer: HookTracer | None = None,
+                 constraints: Constraints | None = None) -> None:
         """``handoff``: this instance's part in prefill/decode hand-offs (``fd_core.splitwise``);
-        ``hook_tracer``: per-hook figures for :meth:`stats` (``plugins.trace_hooks``)."""
+        ``hook_tracer``: per-hook figures for :meth:`stats` (``plugins.trace_hooks``);
+        ``constraints``: guided decoding, shared with the runner's sampler (None: requests with a
+        constraint are refused)."""
         self.config = config
+        self.constraints = constraints
         self.scheduler = scheduler
         self.resource_manager = resource_manager
         self.token_processor = token_processor
@@ -158,6 +163,13 @@ class EngineCore:
         bad = next((t for t in request.sampling_params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError("stop_token_ids", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        bad = next((t for t in request.sampling_params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("logit_bias", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if request.sampling_params.guided is not None:
+            if self.constraints is None:
+                raise RequestError("guided", "guided: this engine was built without guided decoding")
+            self.constraints.check(request)   # compiles (the backend caches): a bad constraint is refused here
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request; never blocks.
@@ -438,11 +450,13 @@ class EngineCore:
         return outputs
 
     def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Sampled tokens -> outputs (token processor), then end the requests it reports finished."""
+        """Sampled tokens -> outputs (token processor), then end the requests it reports finished and
+        those whose row could not be sampled (guided decoding left no token)."""
         outputs = self.token_processor.process(plan, result)
         self._end([(self._in_engine[o.request_id], o.finish_reason, o.error, o)
                    for o in outputs if o.finish_reason is not None and o.request_id in self._in_engine])
-        return outputs
+        return outputs + self._end([(self._in_engine[request_id], FinishReason.ERROR, reason, None)
+                                    for request_id, reason in result.failed.items() if request_id in self._in_engine])
 
     def _wait_for_work(self) -> None:
         """Block until a request arrives or :meth:`wake` is called (no polling sleep)."""

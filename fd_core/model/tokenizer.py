@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     import jinja2
     import tokenizers
 
+    from fd_core.contracts.guided_decoding import Vocabulary
+
 #: GGUF ``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``).
 _TOKEN_TYPE_NORMAL: Final = 1
 _TOKEN_TYPE_UNKNOWN: Final = 2
@@ -206,6 +208,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def vocabulary(self, size: int) -> Vocabulary:
+        """The vocabulary as a guided-decoding backend reads it; ``size``: the model's logits width."""
+        from fd_core.contracts.guided_decoding import Vocabulary
+
+        backend = self._backend
+        tokens = tuple(backend.id_to_token(i) or "" for i in range(backend.get_vocab_size()))
+        return Vocabulary(tokens=tokens, size=size, eos_token_ids=self.eos_token_ids, tokenizer_json=backend.to_str())
 
     def save(self, path: str | Path) -> None:
         """Write it as a Hugging Face ``tokenizer.json`` (to hand a loaded model to another engine)."""

@@ -107,8 +107,13 @@ class ModelRunner:
         if not requests:
             return StepResult.make_empty()
         sampled = self.sampler.sample(logits, requests)
-        return StepResult(sampled={req.request_id: token
-                                   for req, token in zip(requests, sampled, strict=True)})
+        result = StepResult()
+        for request, token in zip(requests, sampled, strict=True):
+            if token.error is None:
+                result.sampled[request.request_id] = token
+            else:
+                result.failed[request.request_id] = token.error
+        return result
 
     def warm_up(self) -> float:
         """Run a short prefill, then one decode step, through the chosen kernels; returns seconds.

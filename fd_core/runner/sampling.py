@@ -6,13 +6,17 @@ Per row, in this order (the order of Hugging Face's logits processors):
    tokens: positive logits are divided by it, negative ones multiplied. Then presence and
    frequency penalties (OpenAI semantics) over output tokens only:
    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
-2. **min_tokens**: while fewer than ``min_tokens`` tokens were generated, the stop token ids
+2. **Logit bias** (OpenAI ``logit_bias``): each listed token's bias is added to its logit.
+3. **min_tokens**: while fewer than ``min_tokens`` tokens were generated, the stop token ids
    and (unless ``ignore_eos``) the eos ids are masked, so the request cannot stop early.
-3. **Greedy** rows (``temperature`` 0, or below ``MIN_TEMPERATURE``: dividing by it would
+4. **Constraint** (guided decoding, :mod:`fd_core.runner.constraints`): tokens the row's
+   constraint forbids are masked. A row left with no allowed token is not sampled: its
+   SampledToken carries ``error`` instead, and the engine ends that request alone.
+5. **Greedy** rows (``temperature`` 0, or below ``MIN_TEMPERATURE``: dividing by it would
    overflow float32) take the argmax here; filters never drop the argmax.
-4. **Temperature** divides the logits, then **top-k**, **top-p** and **min-p** mask tokens
+6. **Temperature** divides the logits, then **top-k**, **top-p** and **min-p** mask tokens
    (see :func:`apply_filters` for the exact kept sets).
-5. **Sampling** by inverse CDF with one uniform draw per row, from the request's own
+7. **Sampling** by inverse CDF with one uniform draw per row, from the request's own
    ``numpy.random.Generator`` when it has a ``seed`` (so a seeded request yields the same
    tokens alone or batched) and from the sampler's shared generator otherwise.
 
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
     import paddle
 
     from fd_core.request import Request, SamplingParams
+    from fd_core.runner.constraints import Constraints
 
 _NEG_INF: Final = np.float32(-np.inf)
 
@@ -194,6 +199,14 @@ def _has_penalty(sp: SamplingParams) -> bool:
             or sp.frequency_penalty != 0.0)
 
 
+def apply_logit_bias(logits: np.ndarray, params: list[SamplingParams]) -> None:
+    """Add each row's ``logit_bias`` to ``logits`` [B, V] in place."""
+    for row, sp in enumerate(params):
+        if sp.logit_bias:
+            ids = np.fromiter(sp.logit_bias.keys(), dtype=np.int64, count=len(sp.logit_bias))
+            logits[row, ids] += np.fromiter(sp.logit_bias.values(), dtype=np.float32, count=len(sp.logit_bias))
+
+
 def _blocked_stop_ids(request: Request) -> list[int]:
     """Token ids masked because ``min_tokens`` is not reached yet (empty when it is)."""
     sp = request.sampling_params
@@ -228,10 +241,13 @@ def _greedy_ids(logits: paddle.Tensor, blocked: list[list[int]]) -> np.ndarray:
 class Sampler:
     """Samples one token per request from a batch of logits; holds per-request generators.
 
-    Call :meth:`forget` when a request finishes or is aborted, so its generator is dropped.
+    Call :meth:`forget` when a request finishes or is aborted, so its generator (and its
+    constraint's matcher) is dropped. ``constraints`` applies guided decoding; without it a
+    request carrying a constraint is sampled unconstrained (the engine refuses such requests first).
     """
 
-    def __init__(self, *, seed: int | None = None) -> None:
+    def __init__(self, *, seed: int | None = None, constraints: Constraints | None = None) -> None:
+        self.constraints = constraints
         #: Shared generator for requests without a seed.
         self._rng = np.random.default_rng(seed)
         #: request id -> generator of a seeded request, created on its first sampled token.
@@ -240,6 +256,8 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         """Drop the state kept for ``request_id`` (no-op if there is none)."""
         self._request_rngs.pop(request_id, None)
+        if self.constraints is not None:
+            self.constraints.forget(request_id)
 
     def sample(self, logits: paddle.Tensor, requests: list[Request]) -> list[SampledToken]:
         """Pick the next token for each request; row ``i`` of ``logits`` [B, V] is ``requests[i]``."""
@@ -250,16 +268,20 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         if logits.dtype != paddle.float32:     # numpy has no bfloat16
             logits = logits.astype("float32")
-        if all(sp.greedy and sp.logprobs is None and not _has_penalty(sp) for sp in params):
+        if all(sp.greedy and sp.logprobs is None and not sp.shapes_logits for sp in params):
             return [SampledToken(int(t)) for t in _greedy_ids(logits, blocked)]
 
         raw = np.from_dlpack(logits.cpu())     # zero-copy on CPU; read only
         x = raw.copy()
         if any(_has_penalty(sp) for sp in params):
             apply_penalties(x, requests)
+        apply_logit_bias(x, params)
         for row, ids in enumerate(blocked):
             if ids:
                 x[row, ids] = _NEG_INF
+        failed = self.constraints.mask(x, requests) if self.constraints is not None else {}
+        for row in failed:
+            x[row, 0] = 0.0   # a finite logit, so the row samples something; its result is discarded
 
         tokens = np.empty(len(requests), dtype=np.int64)
         greedy = np.array([sp.greedy for sp in params])
@@ -269,7 +291,10 @@ class Sampler:
         if sampled_rows.size:
             tokens[sampled_rows] = self._sample_rows(x[sampled_rows],
                                                      [requests[i] for i in sampled_rows])
-        return self._with_logprobs(raw, tokens, params)
+        out = self._with_logprobs(raw, tokens, params)
+        for row, reason in failed.items():
+            out[row] = SampledToken(-1, error=reason)
+        return out
 
     def _sample_rows(self, x: np.ndarray, requests: list[Request]) -> np.ndarray:
         """Temperature, filters and one inverse-CDF draw per row of ``x`` (modified in place).

@@ -38,7 +38,7 @@ from typing import Any, Final
 import msgpack
 
 from fd_core.outputs import RequestMetrics, RequestOutput, SampledToken
-from fd_core.request import FinishReason, Request, SamplingParams
+from fd_core.request import FinishReason, GuidedDecoding, Request, SamplingParams
 
 # front end -> engine
 ADD: Final = 0
@@ -71,9 +71,26 @@ def unpack(data: bytes) -> list[Any]:
     return msgpack.unpackb(data, raw=False)
 
 
+def _sampling_values(params: SamplingParams) -> list[Any]:
+    """The fields of ``params`` in declaration order, as msgpack types (a constraint as [kind, spec],
+    the logit bias as [[token id, bias], ...]: msgpack maps take string keys only)."""
+    values = {f: getattr(params, f) for f in _SAMPLING_FIELDS}
+    guided = params.guided
+    values["guided"] = None if guided is None else [guided.kind, guided.spec]
+    values["logit_bias"] = [[token, bias] for token, bias in params.logit_bias.items()]
+    return [values[f] for f in _SAMPLING_FIELDS]
+
+
+def _sampling_params(values: list[Any]) -> SamplingParams:
+    fields = dict(zip(_SAMPLING_FIELDS, values, strict=True))
+    fields["guided"] = None if fields["guided"] is None else GuidedDecoding(*fields["guided"])
+    fields["logit_bias"] = {token: bias for token, bias in fields["logit_bias"]}
+    return SamplingParams(**fields)
+
+
 def encode_request(request: Request) -> list[Any]:
     params = request.sampling_params
-    return [ADD, request.request_id, request.prompt_token_ids, [getattr(params, f) for f in _SAMPLING_FIELDS],
+    return [ADD, request.request_id, request.prompt_token_ids, _sampling_values(params),
             list(request.eos_token_ids), request.arrival_time, request.group_id, request.priority,
             request.output_token_ids]
 
@@ -82,7 +99,7 @@ def decode_request(message: list[Any]) -> Request:
     (_, request_id, prompt_token_ids, values, eos_token_ids, arrival_time, group_id, priority,
      output_token_ids) = message
     return Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                   sampling_params=SamplingParams(**dict(zip(_SAMPLING_FIELDS, values, strict=True))),
+                   sampling_params=_sampling_params(values),
                    eos_token_ids=tuple(eos_token_ids), arrival_time=arrival_time, group_id=group_id,
                    priority=priority, output_token_ids=list(output_token_ids))
 

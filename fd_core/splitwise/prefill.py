@@ -77,7 +77,7 @@ class PrefillSide(LinkedSide):
     def computed(self, plan: StepPlan, result: StepResult) -> None:
         for row in plan.scheduled:
             request_id = row.request.request_id
-            if not row.sample:
+            if not row.sample or request_id in result.failed:   # a failed row: the core ends it
                 continue   # blocks ship once the whole prompt is computed (see ShippingIsNotAVictim)
             with self._lock:
                 job = self._jobs.get(request_id)
