@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from fd_core.errors import RequestError
-from fd_core.request import Request, SamplingParams
+from fd_core.request import GuidedDecoding, Request, SamplingParams
 
 if TYPE_CHECKING:
     from fd_core.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -123,9 +123,12 @@ def build_requests(body: _SamplingFields, prompts: list[Prompt], *, max_tokens: 
     if len(prompts) * body.n > MAX_CHOICES:
         raise RequestError("n", f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} choices; "
                            f"at most {MAX_CHOICES} per request")
-    renames = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+    constraint = body.constraint()
+    renames = {"max_tokens": max_tokens_field, "logprobs": logprobs_field,
+               "guided": constraint[0] if constraint else "guided"}
     placeholder = max(1, body.min_tokens) if max_tokens is None else max_tokens  # replaced per prompt below
-    base = _validated(_sampling_params(body, max_tokens=placeholder, logprobs=logprobs), renames)
+    base = _validated(_sampling_params(body, max_tokens=placeholder, logprobs=logprobs,
+                                       guided=constraint[1] if constraint else None), renames)
     requests = []
     for p_index, prompt in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
@@ -166,7 +169,8 @@ def _check_prompt(prompt: Prompt, field: str, limits: Limits) -> None:
         raise RequestError(field, f"token id {bad} in {field} is outside the vocabulary (0..{limits.vocab_size - 1})")
 
 
-def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+                     guided: GuidedDecoding | None) -> SamplingParams:
     """The parameters of ``body`` (``max_tokens`` is replaced per prompt when it was not given)."""
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
@@ -177,7 +181,7 @@ def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | 
         repetition_penalty=pick(body.repetition_penalty, 1.0), presence_penalty=pick(body.presence_penalty, 0.0),
         frequency_penalty=pick(body.frequency_penalty, 0.0), seed=body.seed, stop=body.stop_list(),
         stop_token_ids=list(body.stop_token_ids or ()), include_stop_str_in_output=body.include_stop_str_in_output,
-        ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n)
+        ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n, guided=guided, logit_bias=body.token_biases())
 
 
 def _validated(params: SamplingParams, renames: dict[str, str]) -> SamplingParams:

@@ -5,14 +5,20 @@ rejected with 400 naming it, because silently ignoring a misspelt ``max_token`` 
 the answer without telling anyone. OpenAI fields that do not change the result here
 (``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``, ``parallel_tool_calls``, ``stream_options.include_obfuscation``) are
-accepted and ignored. OpenAI fields whose meaning we cannot honour (``tools``,
-``response_format`` other than text, a non-empty ``logit_bias``, ``suffix``, ``best_of``
-other than ``n``, ``audio``...) are rejected with 400 naming the field. Beyond OpenAI we
+accepted and ignored. OpenAI fields whose meaning we cannot honour (``tools``, ``suffix``,
+``best_of`` other than ``n``, ``audio``...) are rejected with 400 naming the field. Beyond OpenAI we
 accept vLLM's sampling extras: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, and
 ``stream_options.continuous_usage_stats`` (usage on every chunk); and vLLM's ``priority`` (an
 integer in ``[MIN_PRIORITY, MAX_PRIORITY]``, default 0; lower runs first when a priority hook
 plugin is installed, otherwise it changes nothing).
+
+Constraints (guided decoding) on both endpoints: OpenAI's ``response_format`` (``json_object``,
+``json_schema``), and for clients written against vLLM ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar`` and the ``structured_outputs`` object (``json``,
+``regex``, ``choice``, ``grammar``, ``json_object``, ``structural_tag``). One constraint per
+request: two are a 400 naming the second. ``logit_bias`` maps token ids (as strings, OpenAI's
+form) to biases in [-100, 100] added to their logits.
 
 Types are strict: a value of the wrong JSON type is rejected with 400 naming the field, never
 coerced (``"max_tokens": "8"``, ``"frequency_penalty": false``, a token id ``false``); an
@@ -21,11 +27,13 @@ integer is accepted where a number is expected (``"temperature": 1``).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from fd_core.request import MAX_PRIORITY, MIN_PRIORITY
+from fd_core.errors import RequestError
+from fd_core.request import MAX_PRIORITY, MIN_PRIORITY, GuidedDecoding
 from fd_core.server.http_errors import FieldConflict
 
 #: Most choices (``n``) one request may ask for.
@@ -49,6 +57,65 @@ class StreamOptions(_Body):
     include_obfuscation: StrictBool | None = None  # OpenAI; we never obfuscate
 
 
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: OpenAI's structured output. The schema is always enforced
+    (``strict`` or not), so a reply always validates."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldConflict("json_schema", "json_schema is required with type json_schema, and only with it")
+        return self
+
+    def constraint(self) -> GuidedDecoding | None:
+        if self.type == "json_object":
+            return GuidedDecoding("json_object")
+        if self.json_schema is not None:
+            return GuidedDecoding("json", json.dumps(self.json_schema.schema_))
+        return None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one of its fields."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+    def constraint(self) -> tuple[str, GuidedDecoding] | None:
+        given = [(name, value) for name, value in (("json", self.json_), ("regex", self.regex),
+                                                   ("choice", self.choice), ("grammar", self.grammar),
+                                                   ("json_object", self.json_object or None),
+                                                   ("structural_tag", self.structural_tag)) if value is not None]
+        if len(given) > 1:
+            field = f"structured_outputs.{given[1][0]}"
+            raise RequestError(field, f"{field}: one constraint per request, and {given[0][0]} already sets one")
+        if not given:
+            return None
+        name, value = given[0]
+        return f"structured_outputs.{name}", _constraint(name, value)
+
+
+def _constraint(kind: str, value: Any) -> GuidedDecoding:
+    """A constraint of ``kind`` from a body value (schemas, choices and tags may come as JSON values)."""
+    if kind == "json_object":
+        return GuidedDecoding("json_object")
+    return GuidedDecoding(kind, value if isinstance(value, str) else json.dumps(value))
+
+
 class _SamplingFields(_Body):
     """Fields the two endpoints share."""
 
@@ -70,6 +137,12 @@ class _SamplingFields(_Body):
     stop_token_ids: list[Count] | None = None
     include_stop_str_in_output: StrictBool = False
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None     # vLLM's extras
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     priority: Priority = 0     # vLLM: scheduling priority, lower first (Request.priority), not a sampling field
     # OpenAI fields accepted and ignored
     user: str | None = None
@@ -81,10 +154,30 @@ class _SamplingFields(_Body):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _token_ids_as_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        bad = next((key for key in value or () if not key.isdigit() or len(key) > 10), None)
+        if bad is not None:
+            raise ValueError(f"keys are token ids written as strings (\"1234\"), got {bad[:20]!r}")
         return value
+
+    def token_biases(self) -> dict[int, float]:
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+
+    def constraint(self) -> tuple[str, GuidedDecoding] | None:
+        """The one constraint of the body and the field it came in, or None."""
+        given: list[tuple[str, GuidedDecoding]] = []
+        if self.response_format is not None and (c := self.response_format.constraint()) is not None:
+            given.append(("response_format", c))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if (value := getattr(self, name)) is not None:
+                given.append((name, _constraint(kind, value)))
+        if self.structured_outputs is not None and (found := self.structured_outputs.constraint()) is not None:
+            given.append(found)
+        if len(given) > 1:
+            raise RequestError(given[1][0], f"{given[1][0]}: one constraint per request, and {given[0][0]} "
+                               "already sets one")
+        return given[0] if given else None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -151,10 +244,6 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``. Without a token limit, the answer may fill the context."""
 
@@ -163,7 +252,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Count | None = None
     logprobs: StrictBool = False
     top_logprobs: Count | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: StrictBool = True
     parallel_tool_calls: bool | None = None
     tool_choice: Literal["none"] | None = None

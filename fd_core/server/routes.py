@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from fd_core.engine.results import CompletionResult
-from fd_core.errors import EngineDeadError, FdError
+from fd_core.errors import EngineDeadError, FdError, RequestError
 from fd_core.request import FinishReason
 from fd_core.server import sse
 from fd_core.server.body import check_values, read_body
@@ -153,6 +153,13 @@ class _Job:
     renderer: Renderer
     stream: bool
     options: StreamOptions | None
+    constraint_field: str | None = None   # the body field the constraint came in (the engine says "guided")
+
+    def client_error(self, exc: RequestError) -> RequestError:
+        """The engine's refusal, naming the body's field where the engine names the constraint."""
+        if exc.field != "guided" or self.constraint_field is None:
+            return exc
+        return RequestError(self.constraint_field, str(exc).replace("guided:", f"{self.constraint_field}:", 1))
 
 
 def _prepare_completion(raw: bytes, state: ServerState) -> _Job:
@@ -168,7 +175,12 @@ def _prepare_completion(raw: bytes, state: ServerState) -> _Job:
                               eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
     renderer = CompletionRenderer(response_id=response_id, model=state.model_name, tokenizer=state.tokenizer,
                                   prompts=prompts, n=body.n, logprobs=body.logprobs is not None, echo=body.echo)
-    return _Job(requests, renderer, body.stream, body.stream_options)
+    return _Job(requests, renderer, body.stream, body.stream_options, _constraint_field(body))
+
+
+def _constraint_field(body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    constraint = body.constraint()
+    return constraint[0] if constraint else None
 
 
 def _prepare_chat(raw: bytes, state: ServerState) -> _Job:
@@ -188,7 +200,7 @@ def _prepare_chat(raw: bytes, state: ServerState) -> _Job:
                               eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
     renderer = ChatRenderer(response_id=response_id, model=state.model_name, tokenizer=state.tokenizer,
                             prompts=[prompt], n=body.n, logprobs=body.logprobs)
-    return _Job(requests, renderer, body.stream, body.stream_options)
+    return _Job(requests, renderer, body.stream, body.stream_options, _constraint_field(body))
 
 
 def _parse(raw: bytes, model: type[BodyT], state: ServerState, limits: Limits) -> BodyT:
@@ -221,7 +233,10 @@ async def _generate(request: Request, prepare: Callable[[bytes, ServerState], _J
         async with state.drain.scope():
             raw = await read_body(request, state.config.server.max_body_bytes)
             job = await state.run_blocking(prepare, raw, state)
-            outputs = await state.client.add(job.requests)
+            try:
+                outputs = await state.client.add(job.requests)
+            except RequestError as exc:
+                raise job.client_error(exc) from None
             if job.stream:
                 def on_close() -> None:
                     outputs.close()

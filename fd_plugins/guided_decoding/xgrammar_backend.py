@@ -3,8 +3,8 @@
 xgrammar (``pip install 'fd-engine[guided]'``; it needs torch, whose CPU build is enough) compiles
 a JSON schema, a regex, an EBNF grammar or a structural tag against the model's vocabulary once
 (its compiler caches equal constraints) and walks a pushdown automaton per sequence. A list of
-choices becomes a grammar with one alternative per choice; ``json_object`` is xgrammar's built-in
-JSON grammar.
+choices becomes a grammar with one alternative per choice; ``json_object`` is the schema
+``{"type": "object"}``.
 
 JSON whitespace: with ``any_whitespace = false`` (the default) a schema's output is laid out as
 ``{"a": 1, "b": [2, 3]}`` (one space after ``:`` and ``,``), so a small model cannot wander into
@@ -115,8 +115,8 @@ class XGrammarBackend(GuidedDecodingBackend):
             except ValueError as exc:
                 raise ValueError(f"the JSON schema is not JSON: {exc}") from None
             return self._compiler.compile_json_schema(spec, any_whitespace=self._any_whitespace, strict_mode=True)
-        if kind == "json_object":
-            return self._compiler.compile_builtin_json_grammar()
+        if kind == "json_object":   # a schema, not the built-in JSON grammar: the whitespace rule applies too
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=self._any_whitespace)
         if kind == "regex":
             return self._compiler.compile_regex(spec)
         if kind == "choice":

@@ -1,0 +1,163 @@
+"""Constrained decoding through the official ``openai`` client against fd-serve with the default model:
+``response_format`` (``client.chat.completions.parse`` with pydantic models, ``json_object``), vLLM's
+``guided_*`` and ``structured_outputs`` fields, ``logit_bias``, and the 400s of bad constraints."""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import Enum
+
+import openai
+import pydantic
+import pytest
+
+from fd_core.config import DEFAULT_MODEL
+from fd_core.model.loader import load_tokenizer
+from tests.fd_core.server.conftest import start_server
+
+pytest.importorskip("xgrammar")
+
+
+class Color(str, Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Address(pydantic.BaseModel):
+    street: str = pydantic.Field(max_length=40)
+    city: str = pydantic.Field(max_length=30)
+    zip_code: str = pydantic.Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=30)
+    age: int = pydantic.Field(ge=0, le=120)
+    favourite_color: Color
+    address: Address
+
+
+class Inventory(pydantic.BaseModel):
+    items: list[str] = pydantic.Field(min_length=1, max_length=4)
+    total_price: float = pydantic.Field(ge=0, le=1000)
+    in_stock: bool
+
+
+CASES = [
+    (Person, "Invent a person. Reply in JSON with name, age, favourite_color (red, green or blue) and an address "
+             "(street, city, zip_code)."),
+    (Inventory, "List a few fruits in a shop as JSON: items, total_price and in_stock."),
+    (Person, "Who is Ada Lovelace? Answer as JSON."),
+    (Inventory, "Describe the contents of a toolbox as JSON."),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("structured"), "--model.max_model_len", "1024",
+                          "--cache.num_blocks", "256", name="structured")
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _chat(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def test_parse_with_pydantic_models_always_validates_where_unconstrained_replies_mostly_do_not(client) -> None:
+    constrained = unconstrained = 0
+    for model, prompt in CASES:
+        completion = client.chat.completions.parse(model=DEFAULT_MODEL, messages=_chat(prompt), response_format=model,
+                                                   max_tokens=200, temperature=0)
+        message = completion.choices[0].message
+        assert completion.choices[0].finish_reason == "stop", message.content
+        assert isinstance(message.parsed, model), message.content   # parse() validated it
+        constrained += 1
+        free = client.chat.completions.create(model=DEFAULT_MODEL, messages=_chat(prompt), max_tokens=200,
+                                              temperature=0).choices[0].message.content
+        try:
+            model.model_validate_json(free)
+            unconstrained += 1
+        except pydantic.ValidationError:
+            pass
+    print(f"valid replies: {constrained}/{len(CASES)} constrained, {unconstrained}/{len(CASES)} unconstrained")
+    assert constrained == len(CASES) and unconstrained < len(CASES)
+
+
+def test_json_object_gives_a_json_object(client) -> None:
+    reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=_chat("Reply with a JSON object holding the name and the age of a cat."),
+                                           response_format={"type": "json_object"}, max_tokens=120, temperature=0)
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_a_streamed_schema_reply_reassembles_into_the_same_text(client) -> None:
+    kwargs = {"model": DEFAULT_MODEL, "messages": _chat(CASES[0][1]), "max_tokens": 200, "temperature": 0,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "person",
+                                                                         "schema": Person.model_json_schema()}}}
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        **kwargs, stream=True) if chunk.choices)
+    assert streamed == whole
+    Person.model_validate_json(streamed)
+
+
+@pytest.mark.parametrize("field", ["guided_regex", "structured_outputs"])
+def test_a_regex_gives_an_exact_match(client, field) -> None:
+    pattern = r"[A-Z][a-z]{2,8}, [0-9]{4}-[0-9]{2}-[0-9]{2}"
+    extra = {field: pattern} if field == "guided_regex" else {field: {"regex": pattern}}
+    reply = client.completions.create(model=DEFAULT_MODEL, prompt="Name and birthday of a famous scientist:",
+                                      max_tokens=40, temperature=0.8, seed=3, n=3, extra_body=extra)
+    for choice in reply.choices:
+        assert re.fullmatch(pattern, choice.text), choice.text
+        assert choice.finish_reason == "stop"
+
+
+def test_a_choice_gives_one_of_the_choices(client) -> None:
+    choices = ["positive", "negative", "neutral"]
+    for review in ("I loved this film, wonderful!", "Terrible food, never again."):
+        reply = client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=_chat(f"Sentiment of: {review}"), max_tokens=10, temperature=0,
+            extra_body={"guided_choice": choices})
+        assert reply.choices[0].message.content in choices
+
+
+def test_logit_bias_forces_and_forbids_tokens(client) -> None:
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    prompt = "The capital of France is"
+    free = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+    greedy_first = tokenizer.encode(prompt + free)[len(tokenizer.encode(prompt))]
+    banana = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(banana): 100}).choices[0].text
+    assert forced == tokenizer.decode([banana] * 4)
+    avoided = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                        logit_bias={str(greedy_first): -100}).choices[0].text
+    assert tokenizer.encode(prompt + avoided)[len(tokenizer.encode(prompt))] != greedy_first
+
+
+def test_bad_constraints_are_400s_naming_the_field(client) -> None:
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+         "response_format"),
+        ({"guided_regex": "a("}, "guided_regex"),
+        ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos"),
+    ]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=DEFAULT_MODEL, messages=_chat("hi"), max_tokens=5,
+                                           extra_body=extra)
+        assert info.value.body["param"] == param, (extra, info.value.body)
