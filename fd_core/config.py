@@ -209,9 +209,10 @@ class ArchitectureSection(SeamSection):
 class GuidedDecodingSection(SeamSection):
     """The guided-decoding backend (fd.guided_decoding) that applies response_format and guided_* constraints."""
 
-    name: str = Field("xgrammar", description=(
-        "Compiles constraints (JSON schema, regex, grammar, choices) and masks each step's logits; where its "
-        "library is not installed, constrained requests are refused with the fix."))
+    name: str = Field("auto", description=(
+        "Compiles constraints (JSON schema, regex, grammar, choices) and masks each step's logits. 'auto': the "
+        "built-in xgrammar where registered, else another installed backend; 'none': off. Where the backend's "
+        "library is not installed (the guided extra), constrained requests are refused with the fix."))
 
 
 class SplitwiseSection(_Section):

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     from fd_core.contracts.platform import Platform
     from fd_core.model.architectures import ArchitecturePlugins
 
-CONNECTOR, ARCHITECTURE = "connector", "architecture"
+CONNECTOR, ARCHITECTURE, GUIDED_DECODING = "connector", "architecture", "guided_decoding"
+#: ``guided_decoding.name`` values: off, and "the installed backend" (the built-in one first).
+NO_GUIDED_DECODING, AUTO_GUIDED_DECODING, BUILT_IN_GUIDED_DECODING = "none", "auto", "xgrammar"
 #: Connector name meaning "not a split deployment".
 NO_CONNECTOR = "none"
 #: Architecture name meaning "the plugin that declares the checkpoint's architecture".
@@ -129,12 +131,15 @@ class _OptionsError(Exception):
 
 def _select(config: FdConfig, selection: Selection, seam: str, *, apply_worker_env: bool) -> None:
     section = config.seam_section(seam)
-    if (seam, section.name) in ((CONNECTOR, NO_CONNECTOR), (ARCHITECTURE, AUTO_ARCHITECTURE)):
+    if (seam, section.name) in ((CONNECTOR, NO_CONNECTOR), (ARCHITECTURE, AUTO_ARCHITECTURE),
+                                (GUIDED_DECODING, NO_GUIDED_DECODING), (GUIDED_DECODING, AUTO_GUIDED_DECODING)):
         if section.options:
             raise ConfigError(f"{seam}.options", f"given, but {seam}.name is {section.name!r}; "
                               f"name the {seam} plugin they are for, or remove them")
-        return
-    if seam == "platform" and section.name == "auto":
+        auto_backend = seam == GUIDED_DECODING and section.name == AUTO_GUIDED_DECODING
+        if not auto_backend or not (name := _auto_guided_decoding(selection.registry)):
+            return
+    elif seam == "platform" and section.name == "auto":
         name, selection.platform_reason = _auto_platform(selection.registry)
     else:
         name = section.name
@@ -149,6 +154,13 @@ def _select(config: FdConfig, selection: Selection, seam: str, *, apply_worker_e
             selection.platform_reason = _explicit_platform_reason(cls)
         selection.platform = selection.platform or plugin.create()
     selection.plugins[seam] = plugin
+
+
+def _auto_guided_decoding(registry: Registry) -> str | None:
+    """The guided-decoding backend ``auto`` picks: the built-in one where it is registered, else the
+    first other by name, else none (guided decoding off)."""
+    names = sorted(registry.names(GUIDED_DECODING))
+    return BUILT_IN_GUIDED_DECODING if BUILT_IN_GUIDED_DECODING in names else next(iter(names), None)
 
 
 def _load(registry: Registry, seam: str, name: str) -> type:

@@ -16,7 +16,7 @@ Invariants the engine relies on (the conformance kit checks them):
 - :meth:`~GuidedDecodingBackend.compile` is deterministic and cheap to call again with an equal
   constraint (the backend caches); it raises :class:`ConstraintError` with a message for the client.
 - Every token a filled mask allows is accepted by :meth:`~ConstraintMatcher.accept`, and once the
-  constraint is complete the mask allows exactly the vocabulary's end-of-sequence ids.
+  constraint is complete the mask allows exactly the request's stop token ids.
 - A matcher is used by one thread at a time; different matchers may be used from different threads.
 
 Bitmask layout (xgrammar's, shared by the peers): ``int32 [rows, ceil(vocab_size / 32)]``; token
@@ -105,8 +105,12 @@ class GuidedDecodingBackend(SeamPlugin, ABC):
         """
 
     @abstractmethod
-    def matcher(self, compiled: Any) -> ConstraintMatcher:
-        """A fresh matcher at the start of the constraint ``compiled`` (from :meth:`compile`)."""
+    def matcher(self, compiled: Any, stop_token_ids: tuple[int, ...]) -> ConstraintMatcher:
+        """A fresh matcher at the start of the constraint ``compiled`` (from :meth:`compile`).
+
+        ``stop_token_ids`` end this request (its end-of-sequence ids and its ``stop_token_ids``):
+        once the constraint is complete the mask allows exactly them; before, none of them.
+        """
 
     def stats(self) -> dict[str, float]:
         """Figures for ``/metrics`` (compile cache hits, compile seconds...); the default has none."""

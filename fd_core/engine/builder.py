@@ -102,7 +102,7 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     from fd_core.runner.model_runner import WARMUP_PROMPT_TOKENS, ModelRunner
     from fd_core.runner.sampling import Sampler
 
-    constraints = build_constraints(selection["guided_decoding"], loaded.tokenizer, arch.vocab_size)
+    constraints = build_constraints(selection.plugins.get("guided_decoding"), loaded.tokenizer, arch.vocab_size)
     runner = ModelRunner(loaded.architecture, arch, loaded.weights, num_blocks=kv.num_blocks,
                          block_size=config.cache.block_size,
                          dtype=config.model.dtype, kv_dtype=kv_cache_dtype(config), device=platform.device_string(),
@@ -145,12 +145,16 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     return core
 
 
-def build_constraints(selected: SelectedPlugin, tokenizer: Tokenizer, vocab_size: int) -> Constraints:
-    """The engine's guided decoding through the selected backend; a backend that cannot run here
-    (its library missing) is logged once, and constrained requests are refused with its reason."""
+def build_constraints(selected: SelectedPlugin | None, tokenizer: Tokenizer, vocab_size: int) -> Constraints:
+    """The engine's guided decoding through the selected backend (None: off, or none installed); a
+    backend that cannot run here (its library missing) is logged once, and constrained requests are
+    refused with its reason."""
     from fd_core.contracts.guided_decoding import GuidedDecodingUnavailable
     from fd_core.runner.constraints import Constraints
 
+    if selected is None:
+        return Constraints(None, vocab_size=vocab_size, unavailable=(
+            "no guided-decoding backend is selected (guided_decoding.name = 'none', or none is installed)"))
     try:
         backend = selected.create(vocabulary=tokenizer.vocabulary(vocab_size))
     except GuidedDecodingUnavailable as exc:

@@ -89,20 +89,28 @@ class Constraints:
         self._sequences.pop(request_id, None)
 
     def _fill(self, request: Request, bitmask: np.ndarray, slot: int) -> str | None:
-        sequence = self._sequences.get(request.request_id)
-        if sequence is None:
-            try:
+        """Fill the request's row of ``bitmask``; why it cannot be, or None. A backend that raises fails
+        this row only."""
+        try:
+            sequence = self._sequences.get(request.request_id)
+            if sequence is None:
                 compiled = self.check(request)
-            except RequestError as exc:
-                return str(exc)
-            sequence = self._sequences[request.request_id] = _Sequence(self.backend.matcher(compiled))
-        outputs = request.output_token_ids
-        while sequence.accepted < len(outputs):
-            token = outputs[sequence.accepted]
-            if not sequence.matcher.accept(token):
-                return f"guided: the output's token {token} (at {sequence.accepted}) breaks the constraint"
-            sequence.accepted += 1
-        sequence.matcher.fill_mask(bitmask, slot)
+                sequence = self._sequences[request.request_id] = _Sequence(
+                    self.backend.matcher(compiled, _stop_ids(request)))
+            outputs = request.output_token_ids
+            while sequence.accepted < len(outputs):
+                token = outputs[sequence.accepted]
+                if not sequence.matcher.accept(token):
+                    return f"guided: the output's token {token} (at {sequence.accepted}) breaks the constraint"
+                sequence.accepted += 1
+            if sequence.matcher.is_terminated():
+                return "guided: the constraint is complete and a stop token was generated"
+            sequence.matcher.fill_mask(bitmask, slot)
+        except RequestError as exc:
+            return str(exc)
+        except Exception as exc:   # the backend failed on this sequence: it alone ends
+            log.exception("guided decoding failed on request %s", request.request_id)
+            return f"guided: the guided-decoding backend failed: {type(exc).__name__}: {exc}"
         return None
 
     @staticmethod
@@ -111,4 +119,11 @@ class Constraints:
         if len(request.output_token_ids) < params.min_tokens:
             return (f"guided: the constraint was complete after {len(request.output_token_ids)} tokens, before "
                     f"min_tokens ({params.min_tokens}); no token can follow")
-        return "guided: no token can continue the constraint (a stop token id or the vocabulary excludes them all)"
+        if not _stop_ids(request):
+            return "guided: the constraint is complete, and the request has no stop token id to end with"
+        return "guided: no token of the vocabulary can continue the constraint"
+
+
+def _stop_ids(request: Request) -> tuple[int, ...]:
+    """The ids that end ``request`` (ignore_eos is refused with a constraint)."""
+    return tuple(dict.fromkeys((*request.eos_token_ids, *request.sampling_params.stop_token_ids)))

@@ -127,8 +127,8 @@ class XGrammarBackend(GuidedDecodingBackend):
             return self._compiler.compile_structural_tag(spec)
         raise ValueError(f"unknown constraint kind {kind!r}")
 
-    def matcher(self, compiled: Any) -> ConstraintMatcher:
-        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+    def matcher(self, compiled: Any, stop_token_ids: tuple[int, ...]) -> ConstraintMatcher:
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids)))
 
     def stats(self) -> dict[str, float]:
         with self._lock:

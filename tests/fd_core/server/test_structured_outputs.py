@@ -91,7 +91,8 @@ def test_parse_with_pydantic_models_always_validates_where_unconstrained_replies
 
 
 def test_json_object_gives_a_json_object(client) -> None:
-    reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=_chat("Reply with a JSON object holding the name and the age of a cat."),
+    prompt = "Reply with a JSON object holding the name and the age of a cat."
+    reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=_chat(prompt),
                                            response_format={"type": "json_object"}, max_tokens=120, temperature=0)
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
