@@ -206,6 +206,23 @@ class ArchitectureSection(SeamSection):
         "the built-in); a plugin's name runs every checkpoint with it."))
 
 
+class ToolParserSection(SeamSection):
+    """The tool parser plugin (fd.tool_parsers) that reads tool calls out of chat replies."""
+
+    name: str = Field("auto", description=(
+        "'auto': the installed parser whose format the model's chat template describes (none when no parser "
+        "recognises it); 'none': replies are never parsed for tool calls; a parser's name uses it for every "
+        "model."))
+
+
+class ReasoningParserSection(SeamSection):
+    """The reasoning parser plugin (fd.reasoning_parsers) that splits reasoning from the answer."""
+
+    name: str = Field("auto", description=(
+        "'auto': the installed parser whose format the model's chat template describes (none when no parser "
+        "recognises it); 'none': all text is the answer; a parser's name uses it for every model."))
+
+
 class SplitwiseSection(_Section):
     """Prefill/decode disaggregation: this instance's role and the hand-off's time limits."""
 
@@ -344,6 +361,8 @@ class FdConfig(BaseSettings):
     splitwise: SplitwiseSection = SplitwiseSection()
     platform: PlatformSection = PlatformSection()
     architecture: ArchitectureSection = ArchitectureSection()
+    tool_parser: ToolParserSection = ToolParserSection()
+    reasoning_parser: ReasoningParserSection = ReasoningParserSection()
     parallel: ParallelSection = ParallelSection()
     server: ServerSection = ServerSection()
     plugins: PluginsSection = PluginsSection()

@@ -44,6 +44,8 @@ SEAMS: Final = (
     Seam("connector", "splitwise connector", "connectors", "Connector"),
     Seam("platform", "platform", "platforms", "Platform"),
     Seam("architecture", "model architecture", "models", "ModelArchitecture"),
+    Seam("tool_parser", "tool parser", "tool_parsers", "ToolParser"),
+    Seam("reasoning_parser", "reasoning parser", "reasoning_parsers", "ReasoningParser"),
 )
 #: Seam name -> its descriptor.
 BY_NAME: Final = {seam.name: seam for seam in SEAMS}
