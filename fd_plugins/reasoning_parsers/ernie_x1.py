@@ -42,13 +42,14 @@ class ErnieX1ReasoningParser(ReasoningParser):
 
     @classmethod
     def conformance_samples(cls) -> tuple[tuple[str, str], ...]:
-        """An answer, tool calls after the reasoning, a reply cut short, unicode."""
+        """An answer, tool calls after the reasoning, replies cut short, empty reasoning, unicode."""
         return (
             ("", "用户问天气。\n我需要调用工具。\n</think>\n\n<response>\n北京今天晴。\n</response>\n"),
             ("", "Need the weather.\n</think>\n\n\n<tool_call>\n"
                  '{"name": "get_weather", "arguments": {"location": "北京"}}\n</tool_call>\n'),
             ("", "Thinking, cut short before the tag </thi"),
             ("", "Done.\n</think>\n<response>The answer, never closed"),
+            ("", "</think>\n\n<response>\nNo reasoning needed.\n</response>"),
         )
 
     def initial_state(self, prompt: str) -> str:
