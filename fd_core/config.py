@@ -212,7 +212,7 @@ class ToolParserSection(SeamSection):
     name: str = Field("auto", description=(
         "'auto': the installed parser whose format the model's chat template describes (none when no parser "
         "recognises it); 'none': replies are never parsed for tool calls; a parser's name uses it for every "
-        "model."))
+        "model. Start-up checks it; the HTTP server does not parse replies yet (issue 42)."))
 
 
 class ReasoningParserSection(SeamSection):
@@ -220,7 +220,8 @@ class ReasoningParserSection(SeamSection):
 
     name: str = Field("auto", description=(
         "'auto': the installed parser whose format the model's chat template describes (none when no parser "
-        "recognises it); 'none': all text is the answer; a parser's name uses it for every model."))
+        "recognises it); 'none': all text is the answer; a parser's name uses it for every model. Start-up "
+        "checks it; the HTTP server does not split replies yet (issue 42)."))
 
 
 class SplitwiseSection(_Section):
