@@ -103,6 +103,14 @@ def unsettled_tail(text: str, markers: Sequence[str]) -> int:
     return len(text) - max((partial_marker(text, marker) for marker in markers), default=0)
 
 
+def begins_with(text: str, marker: str, *, final: bool) -> bool | None:
+    """Whether ``text`` begins with ``marker``; None while it may still (it is a start of the marker
+    and more text may come)."""
+    if text.startswith(marker):
+        return True
+    return None if marker.startswith(text) and not final else False
+
+
 def json_value_end(text: str, start: int) -> int | None:
     """The index just past the JSON object or array opening at ``text[start]`` (brackets inside
     strings skipped), or None while it is still open. Says nothing of whether the JSON is valid."""

@@ -16,7 +16,7 @@ from typing import ClassVar, Final
 
 from fd_core.contracts.reasoning_parser import ReasoningParser, ReasoningScan
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
-from fd_core.text_scan import CONTENT, MARKUP, REASONING, Span, leading_space, run_until
+from fd_core.text_scan import CONTENT, MARKUP, REASONING, Span, begins_with, leading_space, run_until
 from fd_plugins.reasoning_parsers.think import CLOSE, OPEN
 
 RESPONSE_OPEN: Final = "<response>"
@@ -69,10 +69,17 @@ class ErnieX1ReasoningParser(ReasoningParser):
         space = leading_space(text)
         if space is not None:
             return ReasoningScan((space,), state)
-        opener, after = {REASONING_START: (OPEN, REASONING_START),
-                         AFTER_REASONING: (RESPONSE_OPEN, RESPONSE_START)}.get(state, ("", ""))
-        if opener and text.startswith(opener):
-            return ReasoningScan((Span(MARKUP, opener),), after)
-        if opener and opener.startswith(text) and not final:
-            return ReasoningScan((), state)   # the tag may be arriving
-        return ReasoningScan((), {REASONING_START: IN_REASONING, RESPONSE_START: IN_RESPONSE}.get(state, ANSWER))
+        if state == REASONING_START:   # a stray <think> is markup too
+            return _tag_or(text, state, OPEN, REASONING_START, IN_REASONING, final=final)
+        if state == AFTER_REASONING:
+            return _tag_or(text, state, RESPONSE_OPEN, RESPONSE_START, ANSWER, final=final)
+        return ReasoningScan((), IN_RESPONSE)   # the response's leading whitespace is settled
+
+
+def _tag_or(text: str, state: str, tag: str, after_tag: str, otherwise: str, *, final: bool) -> ReasoningScan:
+    """``tag`` as markup, then ``after_tag``, when ``text`` begins with it; else on to ``otherwise``
+    (in ``state`` while the tag may be arriving)."""
+    opens = begins_with(text, tag, final=final)
+    if opens is None:
+        return ReasoningScan((), state)
+    return ReasoningScan((Span(MARKUP, tag),), after_tag) if opens else ReasoningScan((), otherwise)

@@ -16,7 +16,7 @@ from typing import ClassVar, Final
 
 from fd_core.contracts.reasoning_parser import ReasoningParser, ReasoningScan
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
-from fd_core.text_scan import CONTENT, MARKUP, REASONING, Span, leading_space, run_until
+from fd_core.text_scan import CONTENT, MARKUP, REASONING, Span, begins_with, leading_space, run_until
 
 OPEN: Final = "<think>"
 CLOSE: Final = "</think>"
@@ -69,9 +69,8 @@ class ThinkReasoningParser(ReasoningParser):
         if space is not None:
             return ReasoningScan((space,), state)
         if state == START:
-            if text.startswith(OPEN):
-                return ReasoningScan((Span(MARKUP, OPEN),), REASONING_START)
-            if OPEN.startswith(text) and not final:
+            opens = begins_with(text, OPEN, final=final)
+            if opens is None:
                 return ReasoningScan((), START)   # the tag may be arriving
-            return ReasoningScan((), ANSWER)
+            return ReasoningScan((Span(MARKUP, OPEN),), REASONING_START) if opens else ReasoningScan((), ANSWER)
         return ReasoningScan((), IN_REASONING if state == REASONING_START else ANSWER)

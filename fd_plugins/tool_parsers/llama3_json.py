@@ -15,7 +15,7 @@ from typing import ClassVar, Final
 
 from fd_core.contracts.tool_parser import FoundCall, ToolParser, ToolScan
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
-from fd_core.text_scan import CONTENT, MARKUP, Span, json_value_end, leading_space, unsettled_tail
+from fd_core.text_scan import CONTENT, MARKUP, Span, begins_with, json_value_end, leading_space, unsettled_tail
 from fd_plugins.tool_parsers.json_calls import decode, read_call
 
 PYTHON_TAG: Final = "<|python_tag|>"
@@ -63,11 +63,10 @@ class Llama3JsonToolParser(ToolParser):
             return self._call(text, final=final)
         if state == AFTER_CALL and text.startswith(SEPARATOR):
             return ToolScan((Span(MARKUP, SEPARATOR),), CALLS)
-        if state != CALLS and text.startswith(PYTHON_TAG):
-            return ToolScan((Span(MARKUP, PYTHON_TAG),), CALLS)
-        if state != CALLS and PYTHON_TAG.startswith(text) and not final:
+        tagged = begins_with(text, PYTHON_TAG, final=final) if state != CALLS else False
+        if tagged is None:
             return ToolScan((), state)           # the tag may be arriving
-        return ToolScan((), TEXT)
+        return ToolScan((Span(MARKUP, PYTHON_TAG),), CALLS) if tagged else ToolScan((), TEXT)
 
     def _call(self, text: str, *, final: bool) -> ToolScan:
         """``text`` starts with ``{``: a call once the object closes; text when it is not one."""

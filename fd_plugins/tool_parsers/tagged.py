@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import ClassVar, Final
 
 from fd_core.contracts.tool_parser import FoundCall, ToolParser, ToolScan
-from fd_core.text_scan import CONTENT, Span, json_value_end, leading_space, unsettled_tail
+from fd_core.text_scan import CONTENT, Span, begins_with, json_value_end, leading_space, unsettled_tail
 from fd_plugins.tool_parsers.json_calls import decode, read_call
 
 START: Final = "start"
@@ -33,11 +33,10 @@ class TaggedJsonToolParser(ToolParser):
             space = leading_space(text)
             if space is not None:
                 return ToolScan((space,), START)
-            if text.startswith(self.open_tag):
-                return self._call(text, final=final)
-            if self.open_tag.startswith(text) and not final:
+            opens = begins_with(text, self.open_tag, final=final)
+            if opens is None:
                 return ToolScan((), START)      # the tag may be arriving
-            return ToolScan((), TEXT)
+            return self._call(text, final=final) if opens else ToolScan((), TEXT)
         if not self.calls_after_text:
             return ToolScan((Span(CONTENT, text),), TEXT)
         index = text.find(self.open_tag)

@@ -119,7 +119,7 @@ def _ids(subject: ParserUnderTest) -> None:
         written = [piece.id for piece in subject.pieces("", reply) if isinstance(piece, FoundCall)]
         given = parser.parse(reply, new_id=lambda: f"given-{next(counter)}").tool_calls
         for call, own in zip(given, written, strict=True):
-            if call.id != (own or call.id) or (own is None and not call.id.startswith("given-")):
+            if (call.id != own) if own else not call.id.startswith("given-"):
                 raise broken(SEAM, IDS, f"call {call.name!r} of {reply!r} got id {call.id!r}; the model wrote "
                                         f"{own!r}, the caller's factory gives 'given-N'")
         for call in parser.parse(reply).tool_calls:
