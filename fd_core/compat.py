@@ -38,7 +38,9 @@ BREAKING: Final[dict[int, dict[str, str]]] = {
     3: {"connector": "the Connector contract became the transport of the core's prefill/decode hand-off "
                      "(start/send/receive/wake and block messages replace send(KVTransfer)/receive())"},
     4: {"architecture": "the model-architecture seam was added (a plugin of it cannot predate it)",
-        "guided_decoding": "the guided-decoding seam was added (a plugin of it cannot predate it)"},
+        "guided_decoding": "the guided-decoding seam was added (a plugin of it cannot predate it)",
+        "tool_parser": "the tool-parser seam was added (a plugin of it cannot predate it)",
+        "reasoning_parser": "the reasoning-parser seam was added (a plugin of it cannot predate it)"},
 }
 
 #: Version -> what it changed compatibly (a plugin written before it needs no change for it).
@@ -46,8 +48,9 @@ ADDITIONS: Final[dict[int, str]] = {
     2: "ResourceManager.supports_prefix_caching was added; Platform.capabilities is read per instance",
     3: "ResourceManager.reserve was added (optional, for decode instances)",
     4: "the model-architecture seam (fd.models entry points, the fd_register_models hook) was added; "
-       "Scheduler.note_capacity and Scheduler.drain were added (optional); the guided-decoding seam "
-       "(fd.guided_decoding, fd_register_guided_decoding) was added",
+       "the guided-decoding, tool-parser and reasoning-parser seams (fd.guided_decoding, fd.tool_parsers, "
+       "fd.reasoning_parsers and their fd_register_* hooks) were added; "
+       "Scheduler.note_capacity and Scheduler.drain were added (optional)",
 }
 
 #: Deprecated versions keep loading (where their seam allows) up to, not including, this release.

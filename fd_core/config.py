@@ -215,6 +215,24 @@ class GuidedDecodingSection(SeamSection):
         "library is not installed (the guided extra), constrained requests are refused with the fix."))
 
 
+class ToolParserSection(SeamSection):
+    """The tool parser plugin (fd.tool_parsers) that reads tool calls out of chat replies."""
+
+    name: str = Field("auto", description=(
+        "'auto': the installed parser whose format the model's chat template describes (none when no parser "
+        "recognises it); 'none': replies are never parsed for tool calls; a parser's name uses it for every "
+        "model. Start-up checks it; the HTTP server does not parse replies yet (issue 42)."))
+
+
+class ReasoningParserSection(SeamSection):
+    """The reasoning parser plugin (fd.reasoning_parsers) that splits reasoning from the answer."""
+
+    name: str = Field("auto", description=(
+        "'auto': the installed parser whose format the model's chat template describes (none when no parser "
+        "recognises it); 'none': all text is the answer; a parser's name uses it for every model. Start-up "
+        "checks it; the HTTP server does not split replies yet (issue 42)."))
+
+
 class SplitwiseSection(_Section):
     """Prefill/decode disaggregation: this instance's role and the hand-off's time limits."""
 
@@ -354,6 +372,10 @@ class FdConfig(BaseSettings):
     platform: PlatformSection = PlatformSection()
     architecture: ArchitectureSection = ArchitectureSection()
     guided_decoding: GuidedDecodingSection = GuidedDecodingSection()
+
+
+    tool_parser: ToolParserSection = ToolParserSection()
+    reasoning_parser: ReasoningParserSection = ReasoningParserSection()
     parallel: ParallelSection = ParallelSection()
     server: ServerSection = ServerSection()
     plugins: PluginsSection = PluginsSection()

@@ -23,8 +23,10 @@ Versions (``fd_core.compat`` lists what each changed; ``CHANGELOG.md`` says how 
 * 1 — the first release.
 * 2 — the engine core alone ends requests (token processor and resource manager contracts).
 * 3 — the ``Connector`` contract became the transport of the core's prefill/decode hand-off.
-* 4 — the model-architecture seam (``fd.models``, ``fd_register_models``) and the guided-decoding
-  seam (``fd.guided_decoding``, ``fd_register_guided_decoding``).
+* 4 — the model-architecture seam (``fd.models``, ``fd_register_models``), the guided-decoding seam
+  (``fd.guided_decoding``, ``fd_register_guided_decoding``), the tool-parser seam
+  (``fd.tool_parsers``, ``fd_register_tool_parsers``) and the reasoning-parser seam
+  (``fd.reasoning_parsers``, ``fd_register_reasoning_parsers``).
 """
 
 from __future__ import annotations
@@ -80,6 +82,16 @@ def fd_register_models() -> list[type]:
 @hookspec
 def fd_register_guided_decoding() -> list[type]:
     """Return GuidedDecodingBackend classes to register. Added in version 4."""
+
+
+@hookspec
+def fd_register_tool_parsers() -> list[type]:
+    """Return ToolParser classes to register. Added in version 4."""
+
+
+@hookspec
+def fd_register_reasoning_parsers() -> list[type]:
+    """Return ReasoningParser classes to register. Added in version 4."""
 
 
 # --- decisions (firstresult; added in version 1) --------------------------------------------

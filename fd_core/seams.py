@@ -45,6 +45,8 @@ SEAMS: Final = (
     Seam("platform", "platform", "platforms", "Platform"),
     Seam("architecture", "model architecture", "models", "ModelArchitecture"),
     Seam("guided_decoding", "guided decoding backend", "guided_decoding", "GuidedDecodingBackend"),
+    Seam("tool_parser", "tool parser", "tool_parsers", "ToolParser"),
+    Seam("reasoning_parser", "reasoning parser", "reasoning_parsers", "ReasoningParser"),
 )
 #: Seam name -> its descriptor.
 BY_NAME: Final = {seam.name: seam for seam in SEAMS}

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from fd_core.config import config_errors, config_problems_from
 from fd_core.errors import ConfigError, ModelLoadError, PluginError, PluginNotFoundError
 from fd_core.paddle_import import import_paddle
+from fd_core.parser_choice import AUTO, NONE, PARSER_SEAMS
 from fd_core.precision import precision_problems
 from fd_core.registry import SEAM_GROUPS, Registry
 
@@ -36,6 +37,11 @@ NO_GUIDED_DECODING, AUTO_GUIDED_DECODING, BUILT_IN_GUIDED_DECODING = "none", "au
 NO_CONNECTOR = "none"
 #: Architecture name meaning "the plugin that declares the checkpoint's architecture".
 AUTO_ARCHITECTURE = "auto"
+#: (seam, name) pairs that load no plugin here: no connector, and the choices made once the model
+#: is known (its architecture, its chat template's parsers: fd_core.parser_choice).
+_NAMES_OF_NO_PLUGIN = ((CONNECTOR, NO_CONNECTOR), (ARCHITECTURE, AUTO_ARCHITECTURE),
+                       (GUIDED_DECODING, NO_GUIDED_DECODING), (GUIDED_DECODING, AUTO_GUIDED_DECODING),
+                       *((seam, name) for seam in PARSER_SEAMS for name in (AUTO, NONE)))
 #: Parallel sizes this build runs (a larger one must fail here, not after loading the model).
 RUNNABLE_PARALLEL_SIZE = 1
 
@@ -131,8 +137,7 @@ class _OptionsError(Exception):
 
 def _select(config: FdConfig, selection: Selection, seam: str, *, apply_worker_env: bool) -> None:
     section = config.seam_section(seam)
-    if (seam, section.name) in ((CONNECTOR, NO_CONNECTOR), (ARCHITECTURE, AUTO_ARCHITECTURE),
-                                (GUIDED_DECODING, NO_GUIDED_DECODING), (GUIDED_DECODING, AUTO_GUIDED_DECODING)):
+    if (seam, section.name) in _NAMES_OF_NO_PLUGIN:
         if section.options:
             raise ConfigError(f"{seam}.options", f"given, but {seam}.name is {section.name!r}; "
                               f"name the {seam} plugin they are for, or remove them")
@@ -167,6 +172,10 @@ def _load(registry: Registry, seam: str, name: str) -> type:
     try:
         return registry.load(seam, name)
     except PluginNotFoundError as exc:
+        if seam in PARSER_SEAMS:
+            available = ", ".join([AUTO, NONE, *registry.names(seam)])
+            raise ConfigError(f"{seam}.name", f"plugin {exc.plugin}: no such {seam.replace('_', ' ')}; available: "
+                              f"{available} ({AUTO!r}: chosen by the chat template)") from exc
         if seam != "connector":
             raise ConfigError(f"{seam}.name", str(exc)) from exc
         available = ", ".join([NO_CONNECTOR, *registry.names(seam)])

@@ -19,6 +19,8 @@ token processor        :func:`check_token_processor`                 hand-made p
 platform               :func:`check_platform`                        detect and every method
 connector              :func:`check_connector`                       loopback transport, hand-off
 model architecture     :func:`check_architecture`                    tiny random models vs transformers
+tool parser            :func:`check_tool_parser`                     its sample replies, every split
+reasoning parser       :func:`check_reasoning_parser`                its sample replies, every split
 =====================  ============================================  ===========================
 
 ``run_<seam>_checks`` run the same checks without raising (one :class:`CheckResult` per check,
@@ -52,6 +54,11 @@ from fd_core.testing.conformance.platform import (
     run_platform_checks,
 )
 from fd_core.testing.conformance.plugin_check import check_names, run_plugin_checks
+from fd_core.testing.conformance.reasoning_parser import (
+    REASONING_PARSER_CHECKS,
+    check_reasoning_parser,
+    run_reasoning_parser_checks,
+)
 from fd_core.testing.conformance.resource_manager import (
     DEFAULT_LIMITS,
     ConformanceReport,
@@ -69,14 +76,21 @@ from fd_core.testing.conformance.token_processor import (
     run_token_processor_checks,
     tiny_tokenizer,
 )
+from fd_core.testing.conformance.tool_parser import (
+    TOOL_PARSER_CHECKS,
+    check_tool_parser,
+    run_tool_parser_checks,
+)
 
 __all__ = [
     "ARCHITECTURE_CHECKS",
     "CONNECTOR_CHECKS",
     "DEFAULT_LIMITS",
     "PLATFORM_CHECKS",
+    "REASONING_PARSER_CHECKS",
     "SCHEDULER_CHECKS",
     "TOKEN_PROCESSOR_CHECKS",
+    "TOOL_PARSER_CHECKS",
     "CheckResult",
     "ConformanceError",
     "ConformanceReport",
@@ -87,16 +101,20 @@ __all__ = [
     "check_connector",
     "check_names",
     "check_platform",
+    "check_reasoning_parser",
     "check_resource_manager",
     "check_scheduler",
     "check_token_processor",
+    "check_tool_parser",
     "directory_scheduler",
     "run_architecture_checks",
     "run_connector_checks",
     "run_platform_checks",
+    "run_reasoning_parser_checks",
     "run_plugin_checks",
     "run_resource_manager_checks",
     "run_scheduler_checks",
     "run_token_processor_checks",
+    "run_tool_parser_checks",
     "tiny_tokenizer",
 ]

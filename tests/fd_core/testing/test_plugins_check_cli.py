@@ -36,7 +36,8 @@ def test_a_built_in_passes_every_check():
     assert lines[-1].startswith("10 checks: 9 passed, 0 failed, 1 skipped") and lines[-1].endswith("; all passed")
 
 
-@pytest.mark.parametrize("name", ["fd.token_processors/default", "resource_manager/v1", "platform/cpu"])
+@pytest.mark.parametrize("name", ["fd.token_processors/default", "resource_manager/v1", "platform/cpu",
+                                  "tool_parser/hermes", "fd.reasoning_parsers/think"])
 def test_other_built_ins_pass(name):
     result = _check(name)
     assert result.returncode == 0, result.stdout + result.stderr

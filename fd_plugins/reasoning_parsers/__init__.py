@@ -1,0 +1,1 @@
+"""Built-in reasoning parsers: ``<think>`` tags (DeepSeek-R1, Qwen3) and ERNIE X1."""
