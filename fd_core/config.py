@@ -221,7 +221,7 @@ class ToolParserSection(SeamSection):
     name: str = Field("auto", description=(
         "'auto': the installed parser whose format the model's chat template describes (none when no parser "
         "recognises it); 'none': replies are never parsed for tool calls; a parser's name uses it for every "
-        "model. Start-up checks it; the HTTP server does not parse replies yet (issue 42)."))
+        "model. The server reads tool_choice auto replies with it."))
 
 
 class ReasoningParserSection(SeamSection):
@@ -229,8 +229,8 @@ class ReasoningParserSection(SeamSection):
 
     name: str = Field("auto", description=(
         "'auto': the installed parser whose format the model's chat template describes (none when no parser "
-        "recognises it); 'none': all text is the answer; a parser's name uses it for every model. Start-up "
-        "checks it; the HTTP server does not split replies yet (issue 42)."))
+        "recognises it); 'none': all text is the answer; a parser's name uses it for every model. The server "
+        "splits every chat reply with it (reasoning_content)."))
 
 
 class SplitwiseSection(_Section):

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from fd_core.contracts.reasoning_parser import ReasoningParser
     from fd_core.contracts.tool_parser import ToolParser
     from fd_core.registry import PluginRecord, Registry
-    from fd_core.selection import Selection
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +34,23 @@ AUTO: Final = "auto"
 NONE: Final = "none"
 
 
-def choose_parser(config: FdConfig, selection: Selection, seam: str,
+def choose_parser(config: FdConfig, registry: Registry, seam: str,
                   chat_template: str | None) -> ToolParser | ReasoningParser | None:
     """The parser of ``seam`` (one of :data:`PARSER_SEAMS`) for a model with ``chat_template``, built
     with its settings; None when there is none. Raises ConfigError (``<seam>.name``) when ``auto``
-    finds two third-party parsers equally fit."""
+    finds two third-party parsers equally fit, or a named one does not load. The server's front end
+    calls it once the tokenizer is loaded (start-up already checked a named parser's options)."""
     assert seam in PARSER_SEAMS, seam
-    name = config.seam_section(seam).name
-    if name == NONE:
+    section = config.seam_section(seam)
+    if section.name == NONE:
         return None
-    if name != AUTO:
-        return selection[seam].create()
-    cls = parser_for_template(selection.registry, seam, chat_template or "")
+    if section.name != AUTO:
+        try:
+            cls = registry.load(seam, section.name)
+        except PluginError as exc:
+            raise ConfigError(f"{seam}.name", str(exc)) from exc
+        return cls(cls.settings_model.model_validate(section.options) if cls.settings_model else None)
+    cls = parser_for_template(registry, seam, chat_template or "")
     if cls is None:
         return None
     return cls(cls.settings_model.model_validate({}) if cls.settings_model else None)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -91,6 +91,8 @@ async def _start(state: ServerState, on_fatal: Callable[[str, int], None]) -> No
         _, tokenizer = await asyncio.gather(state.client.start(timeout=state.config.server.engine_start_timeout_s),
                                             loop.run_in_executor(None, load_tokenizer, source))
         limits = await loop.run_in_executor(None, Limits.from_info, state.client.info, tokenizer)
+        state.tool_parser, state.reasoning_parser = await loop.run_in_executor(None, _parsers, state.config,
+                                                                               tokenizer.chat_template)
         state.tokenizer = tokenizer
     except FdError as exc:
         on_fatal(str(exc), ExitCode.FAILED)
@@ -101,6 +103,17 @@ async def _start(state: ServerState, on_fatal: Callable[[str, int], None]) -> No
         return
     state.limits = limits
     log.info("serving %s (max_model_len %d)", state.model_name, state.limits.max_model_len)
+
+
+def _parsers(config: FdConfig, chat_template: str | None) -> tuple[Any, Any]:
+    """The tool and reasoning parsers of this model's replies (``[tool_parser]``, ``[reasoning_parser]``)."""
+    from fd_core.parser_choice import choose_parser
+    from fd_core.registry import Registry
+
+    registry = Registry.discover(strict=config.plugins.strict, disabled=config.plugins.disabled,
+                                 hooks=config.plugins.hooks)
+    return (choose_parser(config, registry, "tool_parser", chat_template),
+            choose_parser(config, registry, "reasoning_parser", chat_template))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -96,11 +96,12 @@ def completion_prompts(body: CompletionRequest, tokenizer: Any, limits: Limits) 
 def chat_prompt(body: ChatCompletionRequest, tokenizer: Any, limits: Limits, *, content_as_text: bool) -> Prompt:
     """Render the messages with the model's chat template (RequestError on ``messages``);
     ``content_as_text``: special-token spellings in the messages stay text (``Tokenizer.encode_chat``)."""
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+    messages = [m.for_template() for m in body.messages]
+    variables = body.template_variables()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **variables)
     _check_size(text, limits, "messages")
     return Prompt(tokenizer.encode_chat(messages, text, content_as_text=content_as_text,
-                                        add_generation_prompt=body.add_generation_prompt), text)
+                                        add_generation_prompt=body.add_generation_prompt, **variables), text)
 
 
 def _encode(text: str, tokenizer: Any, limits: Limits, field: str) -> Prompt:

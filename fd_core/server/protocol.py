@@ -4,9 +4,9 @@ Unknown-field policy: a field that is neither ours nor part of OpenAI's request 
 rejected with 400 naming it, because silently ignoring a misspelt ``max_token`` would change
 the answer without telling anyone. OpenAI fields that do not change the result here
 (``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``, ``parallel_tool_calls``, ``stream_options.include_obfuscation``) are
-accepted and ignored. OpenAI fields whose meaning we cannot honour (``tools``, ``suffix``,
-``best_of`` other than ``n``, ``audio``...) are rejected with 400 naming the field. Beyond OpenAI we
+``safety_identifier``, ``stream_options.include_obfuscation``) are accepted and ignored. OpenAI
+fields whose meaning we cannot honour (``suffix``, ``best_of`` other than ``n``, ``audio``...)
+are rejected with 400 naming the field. Beyond OpenAI we
 accept vLLM's sampling extras: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, and
 ``stream_options.continuous_usage_stats`` (usage on every chunk); and vLLM's ``priority`` (an
@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from fd_core.errors import RequestError
 from fd_core.request import MAX_PRIORITY, MIN_PRIORITY, GuidedDecoding
 from fd_core.server.http_errors import FieldConflict
+from fd_core.server.replies import tool_call_constraint
 
 #: Most choices (``n``) one request may ask for.
 MAX_N: Final = 128
@@ -218,6 +219,38 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
+class FunctionSpec(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str   # JSON text, as the model's earlier reply gave it
+
+
+class AssistantToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
@@ -228,13 +261,32 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    reasoning_content: str | None = None   # an earlier reply's reasoning (templates that show it read it)
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise FieldConflict("content", f"a {self.role} message needs content (null is only allowed in an "
                                 "assistant message)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise FieldConflict("tool_calls", "only an assistant message carries tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise FieldConflict("tool_call_id", "a tool message needs the tool_call_id of the call it answers")
         return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (Hugging Face's shape: a call's arguments as an object)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key):
+                message[key] = getattr(self, key)
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name,
+                                                   "arguments": _arguments(call.function.arguments)}}
+                                     for call in self.tool_calls]
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -242,6 +294,15 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as an object where they are a JSON object (templates write them with tojson)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -253,9 +314,56 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Count | None = None
     add_generation_prompt: StrictBool = True
-    parallel_tool_calls: bool | None = None
-    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # extra template variables (enable_thinking...)
     modalities: list[Literal["text"]] | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise FieldConflict("tools", "two tools have the same function name")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise FieldConflict("tool_choice", f"names the function {self.tool_choice.function.name!r}, which is "
+                                "not among tools")
+        if self.tool_choice == "required" and not names:
+            raise FieldConflict("tool_choice", "required needs tools")
+        return self
+
+    def constraint(self) -> tuple[str, GuidedDecoding] | None:
+        """As for completions, and ``tool_choice`` ``required`` or a named function: JSON calls."""
+        given = super().constraint()
+        mode = self.tool_mode()
+        if mode in (None, "none", "auto"):
+            return given
+        if given is not None:
+            raise RequestError("tool_choice", f"tool_choice: {mode!r} constrains the reply to tool calls, and "
+                               f"{given[0]} sets another constraint")
+        tools = {tool.function.name: tool.function.parameters for tool in self.tools or ()}
+        named = None if mode == "required" else mode
+        return "tool_choice", tool_call_constraint(tools, named, parallel=self.parallel_tool_calls is not False)
+
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template gets beside the messages: ``tools`` (Hugging Face's shape) and
+        ``chat_template_kwargs``."""
+        variables = dict(self.chat_template_kwargs or {})
+        reserved = sorted({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(variables))
+        if reserved:
+            raise RequestError("chat_template_kwargs", f"chat_template_kwargs: {', '.join(reserved)} are set by the "
+                               "server, not by chat_template_kwargs")
+        if self.tools:
+            variables["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return variables
+
+    def tool_mode(self) -> str | None:
+        """``None`` (no tools), ``"none"``, ``"auto"``, ``"required"`` or the named function's name."""
+        if not self.tools:
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

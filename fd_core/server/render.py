@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fd_core.engine.results import CompletionResult
     from fd_core.outputs import RequestOutput, SampledToken
+    from fd_core.request import FinishReason
     from fd_core.server.prepare import Prompt
+    from fd_core.server.replies import ReplyShape
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -127,7 +129,18 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
-    """``chat.completion`` / ``chat.completion.chunk`` objects; logprobs as ``{"content": [...]}``."""
+    """``chat.completion`` / ``chat.completion.chunk`` objects; logprobs as ``{"content": [...]}``.
+
+    ``shape`` turns each choice's text into a message (reasoning, tool calls: :mod:`fd_core.server.replies`);
+    a choice that made calls and stopped has ``finish_reason`` ``tool_calls``.
+    """
+
+    def __init__(self, *, shape: ReplyShape | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from fd_core.server.replies import ReplyShape
+
+        self.shape = shape or ReplyShape()
+        self._streams = [self.shape.stream() for _ in range(self.num_choices)]
 
     def _chunk_head(self) -> dict[str, Any]:
         return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
@@ -139,20 +152,29 @@ class ChatRenderer(Renderer):
                 for i in range(self.num_choices)]
 
     def delta_chunk(self, output: RequestOutput, usage_so_far: dict[str, int] | None) -> dict[str, Any]:
-        reason = output.finish_reason.value if output.finished and output.finish_reason is not None else None
-        delta = {"content": output.new_text} if output.new_text or not output.finished else {}
+        index = self.index_of(output.request_id)
+        stream = self._streams[index]
+        delta = stream.feed(output.new_text) if output.new_text else {}
+        if output.finished:
+            for key, value in stream.finish().items():
+                delta[key] = delta[key] + value if key in delta else value
+        elif not delta:
+            delta = {"content": ""}
+        reason = _finish_reason(output.finish_reason, stream.calls) if output.finished else None
         logprobs = self._logprobs(output.new_logprobs) if self.logprobs else None
-        chunk = {**self._chunk_head(), "choices": [{"index": self.index_of(output.request_id), "delta": delta,
+        chunk = {**self._chunk_head(), "choices": [{"index": index, "delta": delta,
                                                     "logprobs": logprobs, "finish_reason": reason}]}
         if usage_so_far is not None:
             chunk["usage"] = usage_so_far
         return chunk
 
     def body(self, results: list[CompletionResult]) -> dict[str, Any]:
-        choices = [{"index": index, "message": {"role": "assistant", "content": result.text},
-                    "logprobs": self._logprobs(result.logprobs) if self.logprobs else None,
-                    "finish_reason": result.finish_reason.value if result.finish_reason is not None else None}
-                   for index, result in enumerate(results)]
+        choices = []
+        for index, result in enumerate(results):
+            message, has_calls = self.shape.message(result.text)
+            choices.append({"index": index, "message": {"role": "assistant", **message},
+                            "logprobs": self._logprobs(result.logprobs) if self.logprobs else None,
+                            "finish_reason": _finish_reason(result.finish_reason, has_calls)})
         return {"id": self.response_id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(self.prompt_tokens, sum(len(r.token_ids) for r in results))}
 
@@ -164,3 +186,10 @@ class ChatRenderer(Renderer):
         return {"content": [{**entry(t.token_id, t.logprob),
                              "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs or ()]} for t in tokens],
                 "refusal": None}
+
+
+def _finish_reason(reason: FinishReason | None, calls: int | bool) -> str | None:
+    """OpenAI's ``finish_reason``: ``tool_calls`` for a reply that stopped after making calls."""
+    if reason is None:
+        return None
+    return "tool_calls" if calls and reason.value == "stop" else reason.value

@@ -35,6 +35,7 @@ from fd_core.server.metrics import CONTENT_TYPE
 from fd_core.server.prepare import build_requests, chat_prompt, completion_prompts
 from fd_core.server.protocol import ChatCompletionRequest, CompletionRequest
 from fd_core.server.render import ChatRenderer, CompletionRenderer, usage
+from fd_core.server.replies import AUTO, NONE, REQUIRED, ReplyShape
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -198,8 +199,17 @@ def _prepare_chat(raw: bytes, state: ServerState) -> _Job:
     requests = build_requests(body, [prompt], max_tokens=max_tokens, max_tokens_field=field, logprobs=logprobs,
                               logprobs_field="top_logprobs", limits=limits,
                               eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
+    mode = body.tool_mode()
+    if mode == AUTO and state.tool_parser is None:
+        raise bad_request("tool_choice: auto needs a tool parser, and this model's chat template matches none of the "
+                          "installed ones; name one with tool_parser.name, or send tool_choice required or a "
+                          "named function (enforced by a constraint, for any model)", "tool_choice")
+    shape = ReplyShape(reasoning_parser=state.reasoning_parser,
+                       tool_parser=state.tool_parser if mode == AUTO else None, required_calls=mode == REQUIRED,
+                       named_function=None if mode in (None, NONE, AUTO, REQUIRED) else mode,
+                       prompt=prompt.text or "")
     renderer = ChatRenderer(response_id=response_id, model=state.model_name, tokenizer=state.tokenizer,
-                            prompts=[prompt], n=body.n, logprobs=body.logprobs)
+                            prompts=[prompt], n=body.n, logprobs=body.logprobs, shape=shape)
     return _Job(requests, renderer, body.stream, body.stream_options, _constraint_field(body))
 
 

@@ -49,6 +49,8 @@ class ServerState:
     metrics: ServerMetrics
     drain: Drain              # fails what is still in flight once server.shutdown_timeout_s ran out
     tokenizer: Any = None     # set once loaded (the engine may still be starting)
+    tool_parser: Any = None   # ToolParser reading this model's tool calls, or None (set with the tokenizer)
+    reasoning_parser: Any = None   # ReasoningParser splitting its thinking off, or None
     limits: Limits | None = None
     draining: bool = False    # SIGTERM received: finish what is in flight, accept nothing new
     in_flight: int = 0        # generation requests holding a slot

@@ -40,8 +40,8 @@ def test_choose_parser_follows_the_config(installed):
                                     MistralToolParser, None),
                                    ([], HermesToolParser, ThinkReasoningParser)):
         config = load_config(cli_args=names)
-        selection = resolve(config, installed)
-        got = [choose_parser(config, selection, seam, QWEN3_TEMPLATE) for seam in ("tool_parser", "reasoning_parser")]
+        resolve(config, installed)   # start-up accepts it
+        got = [choose_parser(config, installed, seam, QWEN3_TEMPLATE) for seam in ("tool_parser", "reasoning_parser")]
         assert [type(p) if p is not None else None for p in got] == [tool, reasoning]
 
 

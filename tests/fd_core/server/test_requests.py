@@ -114,8 +114,9 @@ def assert_still_serving(url: str) -> None:
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"},
                                            {"role": "user", "content": None}]},
      400, ["user message needs content"], "messages.1.content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400,
-     ["unknown field", "tools"], "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400,
+     ["tools.0.function.name"], "tools.0.function.name"),
 ])
 def test_invalid_request_is_400_naming_the_problem(tiny_server, path, body, status, words, param):
     assert_error(post(tiny_server.url, path, body), status, *words, param=param)
