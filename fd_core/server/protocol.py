@@ -370,3 +370,29 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldConflict("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's): a text, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: StrictBool = True
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True
+    tools: list[ToolSpec] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldConflict("prompt", "send prompt or messages (one of them)")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[Count]

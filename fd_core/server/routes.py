@@ -33,7 +33,7 @@ from fd_core.server.body import check_values, read_body
 from fd_core.server.http_errors import ApiError, bad_request, from_exception, from_validation_errors
 from fd_core.server.metrics import CONTENT_TYPE
 from fd_core.server.prepare import build_requests, chat_prompt, completion_prompts
-from fd_core.server.protocol import ChatCompletionRequest, CompletionRequest
+from fd_core.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from fd_core.server.render import ChatRenderer, CompletionRenderer, usage
 from fd_core.server.replies import AUTO, NONE, REQUIRED, ReplyShape
 
@@ -44,13 +44,13 @@ if TYPE_CHECKING:
     from fd_core.server.drain import Drain
     from fd_core.server.engine_client import RequestStream
     from fd_core.server.prepare import Limits
-    from fd_core.server.protocol import StreamOptions, _SamplingFields
+    from fd_core.server.protocol import StreamOptions, _Body
     from fd_core.server.render import Renderer
     from fd_core.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
-BodyT = TypeVar("BodyT", bound="_SamplingFields")
+BodyT = TypeVar("BodyT", bound="_Body")   # a request body with an optional model field
 
 #: How often a non-streaming request checks whether its client is still there, in seconds.
 DISCONNECT_POLL_S: Final = 0.5
@@ -121,6 +121,49 @@ async def metrics(request: Request) -> Response:
         except (FdError, asyncio.TimeoutError):
             log.warning("no engine stats for /metrics", exc_info=True)
     return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+@router.post("/tokenize", dependencies=[Depends(check_api_key)])
+async def tokenize(request: Request) -> JSONResponse:
+    """Token ids of a text or of chat messages as the chat endpoint would render them."""
+    state = _state(request)
+    state.check_serving()
+    raw = await read_body(request, state.config.server.max_body_bytes)
+    return JSONResponse(await state.run_blocking(_tokenize, raw, state))
+
+
+@router.post("/detokenize", dependencies=[Depends(check_api_key)])
+async def detokenize(request: Request) -> JSONResponse:
+    """The text of token ids."""
+    state = _state(request)
+    state.check_serving()
+    raw = await read_body(request, state.config.server.max_body_bytes)
+    return JSONResponse(await state.run_blocking(_detokenize, raw, state))
+
+
+def _tokenize(raw: bytes, state: ServerState) -> dict[str, Any]:
+    limits = _limits(state)
+    body = _parse(raw, TokenizeRequest, state, limits)
+    if body.messages is not None:
+        chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                                     tools=body.tools, chat_template_kwargs=body.chat_template_kwargs)
+        tokens = chat_prompt(chat, state.tokenizer, limits,
+                             content_as_text=state.config.server.special_tokens_in_messages == "text").token_ids
+    else:
+        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    reply: dict[str, Any] = {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens}
+    if body.return_token_strs:
+        reply["token_strs"] = [state.tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+    return reply
+
+
+def _detokenize(raw: bytes, state: ServerState) -> dict[str, Any]:
+    limits = _limits(state)
+    body = _parse(raw, DetokenizeRequest, state, limits)
+    bad = next((t for t in body.tokens if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"tokens: token id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})", "tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens)}
 
 
 @api.get("/models")

@@ -175,3 +175,20 @@ def test_reasoning_is_split_from_a_plain_answer(tiny_client) -> None:
         extra_body={"guided_regex": r"<think>\nShort\.\n</think>\n\nIt is sunny\."}).choices[0]
     assert reply.finish_reason == "stop"
     assert reply.message.reasoning_content.strip() == "Short." and reply.message.content.strip() == "It is sunny."
+
+
+def test_tokenize_and_detokenize_agree_with_the_chat_endpoint(client) -> None:
+    import httpx
+
+    base = str(client.base_url).removesuffix("/v1/")
+    counted = httpx.post(f"{base}/tokenize", json={"messages": QUESTION}).json()
+    reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=QUESTION, max_tokens=1)
+    assert counted["count"] == len(counted["tokens"]) == reply.usage.prompt_tokens
+    text = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world", "add_special_tokens": False,
+                                                "return_token_strs": True}).json()
+    assert "".join(text["token_strs"]) == "Hello world"
+    assert httpx.post(f"{base}/detokenize", json={"tokens": text["tokens"]}).json() == {"prompt": "Hello world"}
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(f"{base}/tokenize", json={"prompt": "a", "messages": QUESTION})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
