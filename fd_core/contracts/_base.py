@@ -21,3 +21,22 @@ class SeamPlugin:
     fd_hookspec_version: ClassVar[int]
     #: Pydantic model of the plugin's ``<seam>.options``; ``None``: it takes no options.
     settings_model: ClassVar[type[BaseModel] | None] = None
+
+
+class TemplateParser(SeamPlugin):
+    """What the tool and reasoning parser contracts share: the family's literal tags, and how a
+    model's chat template selects the parser under ``name = "auto"`` (``fd_core.parser_choice``)."""
+
+    #: The family's literal tags and separators: what markup may hold besides whitespace.
+    markers: ClassVar[tuple[str, ...]] = ()
+    #: When several installed parsers accept a chat template, the highest wins (a family whose
+    #: template also matches a more general parser sets it above 0).
+    template_priority: ClassVar[int] = 0
+
+    def __init__(self, settings: BaseModel | None = None) -> None:
+        self.settings = settings
+
+    @classmethod
+    def matches_template(cls, template: str) -> bool:
+        """Whether a model with this chat template writes its replies in this parser's format."""
+        return False

@@ -28,13 +28,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
 
-from fd_core.contracts._base import SeamPlugin
+from fd_core.contracts._base import TemplateParser
 from fd_core.text_scan import CONTENT, MARKUP, REASONING, ScanError, Span, drain, parser_label
-
-if TYPE_CHECKING:
-    from pydantic import BaseModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,21 +49,8 @@ class ReasoningScan:
     state: str                 # where the text stands after them
 
 
-class ReasoningParser(SeamPlugin, ABC):
+class ReasoningParser(TemplateParser, ABC):
     """Splits one model family's replies into reasoning and answer (one instance serves every request)."""
-
-    #: The family's literal tags: what markup may hold besides whitespace.
-    markers: ClassVar[tuple[str, ...]] = ()
-    #: When several installed parsers accept a chat template, the highest wins.
-    template_priority: ClassVar[int] = 0
-
-    def __init__(self, settings: BaseModel | None = None) -> None:
-        self.settings = settings
-
-    @classmethod
-    def matches_template(cls, template: str) -> bool:
-        """Whether a model with this chat template writes reasoning in this parser's format (``auto``)."""
-        return False
 
     @classmethod
     def conformance_samples(cls) -> tuple[tuple[str, str], ...]:

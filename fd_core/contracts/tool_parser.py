@@ -37,13 +37,10 @@ import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
-from fd_core.contracts._base import SeamPlugin
+from fd_core.contracts._base import TemplateParser
 from fd_core.text_scan import CONTENT, MARKUP, ScanError, Span, drain, parser_label
-
-if TYPE_CHECKING:
-    from pydantic import BaseModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,22 +103,8 @@ class ToolScan:
     state: str                             # where the text stands after them
 
 
-class ToolParser(SeamPlugin, ABC):
+class ToolParser(TemplateParser, ABC):
     """Reads one model family's tool calls out of its generated text (one instance serves every request)."""
-
-    #: The family's literal tags and separators: what markup may hold besides whitespace.
-    markers: ClassVar[tuple[str, ...]] = ()
-    #: When several installed parsers accept a chat template, the highest wins (a family whose
-    #: template also matches a more general parser sets it above 0).
-    template_priority: ClassVar[int] = 0
-
-    def __init__(self, settings: BaseModel | None = None) -> None:
-        self.settings = settings
-
-    @classmethod
-    def matches_template(cls, template: str) -> bool:
-        """Whether a model with this chat template writes calls in this parser's format (``auto``)."""
-        return False
 
     @classmethod
     def conformance_samples(cls) -> tuple[str, ...]:

@@ -126,19 +126,21 @@ async def metrics(request: Request) -> Response:
 @router.post("/tokenize", dependencies=[Depends(check_api_key)])
 async def tokenize(request: Request) -> JSONResponse:
     """Token ids of a text or of chat messages as the chat endpoint would render them."""
-    state = _state(request)
-    state.check_serving()
-    raw = await read_body(request, state.config.server.max_body_bytes)
-    return JSONResponse(await state.run_blocking(_tokenize, raw, state))
+    return await _tokenizer_reply(request, _tokenize)
 
 
 @router.post("/detokenize", dependencies=[Depends(check_api_key)])
 async def detokenize(request: Request) -> JSONResponse:
     """The text of token ids."""
+    return await _tokenizer_reply(request, _detokenize)
+
+
+async def _tokenizer_reply(request: Request, answer: Callable[[bytes, ServerState], dict[str, Any]]) -> JSONResponse:
+    """The JSON ``answer`` gives for the request's body (on a worker thread), once the server serves."""
     state = _state(request)
     state.check_serving()
     raw = await read_body(request, state.config.server.max_body_bytes)
-    return JSONResponse(await state.run_blocking(_detokenize, raw, state))
+    return JSONResponse(await state.run_blocking(answer, raw, state))
 
 
 def _tokenize(raw: bytes, state: ServerState) -> dict[str, Any]:
