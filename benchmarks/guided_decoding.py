@@ -77,10 +77,19 @@ def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[fl
 
 
 def _cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it, with its family and model (a VM may say only "AMD EPYC")
+    and the vector extensions the kernels choose by."""
+    fields: dict[str, str] = {}
     for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+        if not line.strip():
+            break
+    if "model name" not in fields:
+        return platform.machine()
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in fields.get("flags", "").split()]
+    return (f"{fields['model name']} (family {fields.get('cpu family')} model {fields.get('model')}; "
+            f"{', '.join(flags)})")
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.contracts.connector import ConnectorRole, Delivery
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
-from fd_plugins.connectors.zmq_connector import ZmqConnector
+from fd_plugins.connectors.zmq_connector import PeerQueueSettings, ZmqConnector
 
 #: Longest wait of a send for a free slot, in seconds.
 SLOT_WAIT_S: Final = 1.0
@@ -51,7 +51,7 @@ _FREE: Final = "_shm_free"
 _REVOKE: Final = "_shm_revoke"
 
 
-class ShmConnectorSettings(BaseModel):
+class ShmConnectorSettings(PeerQueueSettings):
     """``[connector.options]`` of the ``shm`` connector."""
 
     model_config = ConfigDict(extra="forbid")
@@ -59,13 +59,6 @@ class ShmConnectorSettings(BaseModel):
     buffer_mb: int = Field(256, gt=0, description=(
         "Shared memory this instance sends blocks through (MiB); blocks in flight beyond it wait."))
     socket_dir: str | None = Field(None, description="Folder of the ipc control sockets; unset: the temp folder.")
-    send_hwm: int = Field(1000, gt=0, description="Control messages queued per peer before send reports it full.")
-    peer_idle_s: float = Field(60.0, gt=0, description=(
-        "The connection to a peer this instance sent nothing to for this long is closed (reopened by the next "
-        "send)."))
-    receive_hwm: int = Field(10000, gt=0, description=(
-        "Control messages kept per sending peer until receive reads them; beyond it that peer's sends report "
-        "this instance full."))
 
 
 @dataclass(slots=True)

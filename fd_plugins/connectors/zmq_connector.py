@@ -45,7 +45,22 @@ log = logging.getLogger(__name__)
 REFUSAL_LOG_EVERY_S = 10.0
 
 
-class ZmqConnectorSettings(BaseModel):
+class PeerQueueSettings(BaseModel):
+    """The options of the connectors' control links (zmq, and shm's ipc sockets): how much they queue
+    per peer, and when an idle connection closes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    send_hwm: int = Field(1000, gt=0, description="Messages queued per peer before send reports it full.")
+    peer_idle_s: float = Field(60.0, gt=0, description=(
+        "The connection to a peer this instance sent nothing to for this long is closed (reopened by the next "
+        "send)."))
+    receive_hwm: int = Field(10000, gt=0, description=(
+        "Messages kept per sending peer until receive reads them; beyond it that peer's sends report this "
+        "instance full."))
+
+
+class ZmqConnectorSettings(PeerQueueSettings):
     """``[connector.options]`` of the ``zmq`` connector."""
 
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)   # errors never show the secret key
@@ -55,13 +70,6 @@ class ZmqConnectorSettings(BaseModel):
     advertise_host: str | None = Field(None, validate_default=True, description=(
         "Address peers reach it at (published in the peer directory); unset: host. Required when host "
         "binds every interface."))
-    send_hwm: int = Field(1000, gt=0, description="Messages queued per peer before send reports it full.")
-    peer_idle_s: float = Field(60.0, gt=0, description=(
-        "The connection to a peer this instance sent nothing to for this long is closed (reopened by the next "
-        "send)."))
-    receive_hwm: int = Field(10000, gt=0, description=(
-        "Messages kept per sending peer until receive reads them; beyond it that peer's sends report this "
-        "instance full."))
     curve_secret_key: SecretStr | None = Field(None, description=(
         "This instance's CURVE secret key (Z85, 40 characters): connections are authenticated and encrypted. "
         "Unset: plaintext, anyone who reaches the port is believed."))
