@@ -49,6 +49,9 @@ MAX_PRIORITY: Final = 1000
 GUIDED_KINDS: Final = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 #: Longest constraint text, in characters: compiling one is work for the engine's CPU.
 MAX_GUIDED_SPEC_CHARS: Final = 128 * 1024
+#: Longest reasoning tag a constraint waits for (``GuidedDecoding.reasoning_start`` / ``reasoning_end``),
+#: in characters: the engine looks for it in every output token's bytes.
+MAX_REASONING_TAG_CHARS: Final = 64
 #: Most ``logit_bias`` entries per request (OpenAI allows 300).
 MAX_LOGIT_BIAS_ENTRIES: Final = 1024
 #: ``logit_bias`` values lie in ``[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]`` (OpenAI's range).
@@ -82,17 +85,32 @@ class GuidedDecoding:
     EBNF grammar (GBNF, as llama.cpp writes it), ``structural_tag`` a structural tag (JSON text,
     the backend's format). The guided-decoding backend compiles it; one that does not compile is
     refused with the request.
+
+    A reasoning model's reply reasons before it answers; the constraint is on the answer.
+    ``reasoning_end`` (e.g. ``"</think>"``): the reply starts inside its reasoning, and the
+    constraint applies from the first token after the output's text first holds this tag (no mask
+    before; a reply that never closes its reasoning is never constrained). With ``reasoning_start``
+    (e.g. ``"<think>"``) as well, the reply reasons only if its text begins with that tag; a reply
+    that begins otherwise is constrained from its first token. The engine finds the tags in the
+    bytes of the output tokens, however the tokenizer splits them (``fd_core.runner.answer_start``).
     """
 
     kind: str
     spec: str = ""
+    reasoning_end: str | None = None     # the constraint starts after this text; None: from the first token
+    reasoning_start: str | None = None   # with reasoning_end: the reply reasons only if it begins with this
 
     def problem(self) -> str | None:
-        """What is wrong with it before compiling (kind, size), or None."""
+        """What is wrong with it before compiling (kind, size, reasoning tags), or None."""
         if self.kind not in GUIDED_KINDS:
             return f"kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}"
         if len(self.spec) > MAX_GUIDED_SPEC_CHARS:
             return f"the constraint must be at most {MAX_GUIDED_SPEC_CHARS} characters, got {len(self.spec)}"
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            return "reasoning_start needs reasoning_end (the tag after which the constraint applies)"
+        for name, tag in (("reasoning_start", self.reasoning_start), ("reasoning_end", self.reasoning_end)):
+            if tag is not None and not 0 < len(tag) <= MAX_REASONING_TAG_CHARS:
+                return f"{name} must be 1 to {MAX_REASONING_TAG_CHARS} characters, got {len(tag)}"
         return None
 
 

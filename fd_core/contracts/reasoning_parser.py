@@ -14,6 +14,12 @@ Where a reply starts: some chat templates open the reasoning in the prompt (``<t
 end of it), so the reply starts inside the reasoning and only its closing tag appears. Both ways
 take the prompt the reply continues; :meth:`ReasoningParser.initial_state` reads it.
 
+A constraint (``response_format``, ``guided_*``, ``tool_choice`` required) is on the answer, not on
+the reasoning: :meth:`ReasoningParser.reply_reasoning` tells the server, for a prompt, which tags
+bound a reply's reasoning, and the engine applies the constraint from the first token after the end
+tag (``GuidedDecoding.reasoning_end``). A parser that does not say (the default) has its replies
+constrained from their first token.
+
 Invariants (``fd_core.testing.conformance.reasoning_parser`` checks them): the spans cover the text
 exactly, markup holding only whitespace and the parser's :attr:`~ReasoningParser.markers`; a tag
 split across deltas (``"</th"``, ``"ink>"``) is held back until it is known; streaming in any split
@@ -42,6 +48,15 @@ class ReasoningText:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplyReasoning:
+    """How a reply to one prompt may reason before its answer: the tags a constraint on the answer waits for."""
+
+    end: str                   # the text that ends the reasoning; the answer follows it
+    start: str | None = None   # None: the reply starts inside its reasoning (the prompt opened it);
+    #                            a text: the reply reasons only if it begins with it, else it is all answer
+
+
+@dataclass(frozen=True, slots=True)
 class ReasoningScan:
     """What one :meth:`ReasoningParser.scan` settled: ``pieces`` cover a prefix of its text, in order."""
 
@@ -62,6 +77,20 @@ class ReasoningParser(TemplateParser, ABC):
     def initial_state(self, prompt: str) -> str:
         """The state a reply to ``prompt`` (the rendered chat template) starts in."""
         return "start"
+
+    def reply_reasoning(self, prompt: str) -> ReplyReasoning | None:
+        """How a reply to ``prompt`` may reason before its answer; None when it has no reasoning (the
+        prompt closed it: Qwen3's ``enable_thinking=False``) or the parser cannot say.
+
+        The server calls it for a chat request that carries a constraint, and the engine then applies
+        the constraint from the first token after the output's text first holds ``end`` (with
+        ``start``: only if the reply begins with ``start``; a reply that begins otherwise is
+        constrained from its first token). Parsing must agree: the text after the first ``end`` of a
+        reply that reasons, and the whole of a reply that does not, are its answer, verbatim but for
+        whitespace next to a tag (the conformance kit checks it). Both tags are among :attr:`markers`. Default: None (replies are
+        constrained from their first token).
+        """
+        return None
 
     @abstractmethod
     def scan(self, text: str, state: str, *, final: bool) -> ReasoningScan:

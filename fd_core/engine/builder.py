@@ -161,7 +161,7 @@ def build_constraints(selected: SelectedPlugin | None, tokenizer: Tokenizer, voc
         log.warning("guided decoding is off: %s", exc)
         return Constraints(None, vocab_size=vocab_size, unavailable=str(exc))
     log.info("guided decoding: %s", selected.name)
-    return Constraints(backend, vocab_size=vocab_size)
+    return Constraints(backend, vocab_size=vocab_size, token_bytes=tokenizer.token_bytes())
 
 
 def choose_kernels(platform: Platform, platform_reason: str, worker_env: dict[str, str],

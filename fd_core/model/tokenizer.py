@@ -217,6 +217,13 @@ class Tokenizer:
         tokens = tuple(backend.id_to_token(i) or "" for i in range(backend.get_vocab_size()))
         return Vocabulary(tokens=tokens, size=size, eos_token_ids=self.eos_token_ids, tokenizer_json=backend.to_str())
 
+    def token_bytes(self) -> tuple[bytes, ...]:
+        """Every token id's bytes as they stand in decoded text (``b""`` for special tokens): where the
+        engine finds a reply's reasoning tags (``fd_core.model.token_bytes``)."""
+        from fd_core.model.token_bytes import token_bytes
+
+        return token_bytes(self._backend)
+
     def save(self, path: str | Path) -> None:
         """Write it as a Hugging Face ``tokenizer.json`` (to hand a loaded model to another engine)."""
         self._backend.save(str(path))

@@ -23,6 +23,7 @@ from fd_core.errors import RequestError
 from fd_core.request import GuidedDecoding, Request, SamplingParams
 
 if TYPE_CHECKING:
+    from fd_core.contracts.reasoning_parser import ReplyReasoning
     from fd_core.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 #: Most engine requests (prompts x n) one HTTP request may create.
@@ -119,17 +120,23 @@ def _check_size(text: str, limits: Limits, field: str) -> None:
 
 def build_requests(body: _SamplingFields, prompts: list[Prompt], *, max_tokens: int | None,
                    max_tokens_field: str, logprobs: int | None, logprobs_field: str, limits: Limits,
-                   eos_token_ids: tuple[int, ...], response_id: str) -> list[Request]:
-    """One engine request per (prompt, choice), in choice-index order. Raises RequestError."""
+                   eos_token_ids: tuple[int, ...], response_id: str,
+                   reasoning: ReplyReasoning | None = None) -> list[Request]:
+    """One engine request per (prompt, choice), in choice-index order. Raises RequestError.
+
+    ``reasoning``: the reply reasons first (the reasoning parser's ``reply_reasoning``), so the body's
+    constraint applies to the answer after it."""
     if len(prompts) * body.n > MAX_CHOICES:
         raise RequestError("n", f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} choices; "
                            f"at most {MAX_CHOICES} per request")
     constraint = body.constraint()
     renames = {"max_tokens": max_tokens_field, "logprobs": logprobs_field,
                "guided": constraint[0] if constraint else "guided"}
+    guided = constraint[1] if constraint else None
+    if guided is not None and reasoning is not None:
+        guided = dataclasses.replace(guided, reasoning_end=reasoning.end, reasoning_start=reasoning.start)
     placeholder = max(1, body.min_tokens) if max_tokens is None else max_tokens  # replaced per prompt below
-    base = _validated(_sampling_params(body, max_tokens=placeholder, logprobs=logprobs,
-                                       guided=constraint[1] if constraint else None), renames)
+    base = _validated(_sampling_params(body, max_tokens=placeholder, logprobs=logprobs, guided=guided), renames)
     requests = []
     for p_index, prompt in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"

@@ -241,9 +241,12 @@ def _prepare_chat(raw: bytes, state: ServerState) -> _Job:
                          content_as_text=state.config.server.special_tokens_in_messages == "text")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    # a constraint is on the answer: where the reply may reason first, it waits for the reasoning's end tag
+    reasoning = None if state.reasoning_parser is None else state.reasoning_parser.reply_reasoning(prompt.text or "")
     requests = build_requests(body, [prompt], max_tokens=max_tokens, max_tokens_field=field, logprobs=logprobs,
                               logprobs_field="top_logprobs", limits=limits,
-                              eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
+                              eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id,
+                              reasoning=reasoning)
     mode = body.tool_mode()
     if mode == AUTO and state.tool_parser is None:
         raise bad_request("tool_choice: auto needs a tool parser, and this model's chat template matches none of the "

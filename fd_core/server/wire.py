@@ -22,7 +22,8 @@ Engine -> front end (a second PUSH/PULL pair)::
     [STATS_REPLY, nonce, {EngineStats as a dict}]
 
 ``sampling_param_values`` are :class:`SamplingParams`' fields in declaration order (both ends
-run the same code) and ``priority`` is ``Request.priority``. ADD also carries requests between
+run the same code; a constraint is ``[kind, spec, reasoning_end, reasoning_start]``) and ``priority``
+is ``Request.priority``. ADD also carries requests between
 instances: the ``global`` scheduler stores it in Redis, the splitwise hand-off sends it to the
 prefill instance. An output is ``[request_id, new_token_ids, new_text, logprobs, finished,
 finish_reason, num_prompt_tokens, num_output_tokens, num_cached_tokens, error, metrics]``
@@ -72,11 +73,13 @@ def unpack(data: bytes) -> list[Any]:
 
 
 def _sampling_values(params: SamplingParams) -> list[Any]:
-    """The fields of ``params`` in declaration order, as msgpack types (a constraint as [kind, spec],
-    the logit bias as [[token id, bias], ...]: msgpack maps take string keys only)."""
+    """The fields of ``params`` in declaration order, as msgpack types (a constraint as [kind, spec,
+    reasoning_end, reasoning_start], the logit bias as [[token id, bias], ...]: msgpack maps take string
+    keys only)."""
     values = {f: getattr(params, f) for f in _SAMPLING_FIELDS}
     guided = params.guided
-    values["guided"] = None if guided is None else [guided.kind, guided.spec]
+    values["guided"] = None if guided is None else [guided.kind, guided.spec, guided.reasoning_end,
+                                                    guided.reasoning_start]
     values["logit_bias"] = [[token, bias] for token, bias in params.logit_bias.items()]
     return [values[f] for f in _SAMPLING_FIELDS]
 

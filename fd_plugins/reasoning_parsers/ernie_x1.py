@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Final
 
-from fd_core.contracts.reasoning_parser import ReasoningParser, ReasoningScan
+from fd_core.contracts.reasoning_parser import ReasoningParser, ReasoningScan, ReplyReasoning
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.text_scan import CONTENT, MARKUP, REASONING, Span, begins_with, leading_space, run_until
 from fd_plugins.reasoning_parsers.think import CLOSE, OPEN
@@ -55,6 +55,10 @@ class ErnieX1ReasoningParser(ReasoningParser):
     def initial_state(self, prompt: str) -> str:
         """Always inside the reasoning: X1's template opens it."""
         return REASONING_START
+
+    def reply_reasoning(self, prompt: str) -> ReplyReasoning | None:
+        """Inside the reasoning up to ``</think>`` (X1's template opens it)."""
+        return ReplyReasoning(CLOSE)
 
     def scan(self, text: str, state: str, *, final: bool) -> ReasoningScan:
         """See :meth:`ReasoningParser.scan`; the states are the module docstring's."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Final
 
-from fd_core.contracts.reasoning_parser import ReasoningParser, ReasoningScan
+from fd_core.contracts.reasoning_parser import ReasoningParser, ReasoningScan, ReplyReasoning
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.text_scan import CONTENT, MARKUP, REASONING, Span, begins_with, leading_space, run_until
 
@@ -57,6 +57,16 @@ class ThinkReasoningParser(ReasoningParser):
     def initial_state(self, prompt: str) -> str:
         """``reasoning`` when the prompt ends inside an opened ``<think>`` block, else ``start``."""
         return REASONING_START if opened_in(prompt, OPEN, CLOSE) else START
+
+    def reply_reasoning(self, prompt: str) -> ReplyReasoning | None:
+        """Inside the reasoning up to ``</think>`` when the prompt opened ``<think>``; no reasoning when the
+        prompt ends by closing it (Qwen3 with ``enable_thinking=False``); else reasoning only if the reply
+        begins with ``<think>``."""
+        if opened_in(prompt, OPEN, CLOSE):
+            return ReplyReasoning(CLOSE)
+        if prompt.rstrip().endswith(CLOSE):
+            return None
+        return ReplyReasoning(CLOSE, start=OPEN)
 
     def scan(self, text: str, state: str, *, final: bool) -> ReasoningScan:
         """See :meth:`ReasoningParser.scan`; the states are the module docstring's."""

@@ -40,6 +40,11 @@ SAMPLES: Final = "the samples show reasoning and plain answers"
 COVERS: Final = "the pieces are the reply, verbatim; markup is whitespace and markers"
 STREAMS: Final = "streaming in any split gives the whole parse"
 GARBLED: Final = "any text parses, whole and streamed"
+ANSWERS: Final = "a constrained answer is the content, after the reasoning tags"
+#: The answer the kit puts where a constraint would (no whitespace next to the tags).
+CONSTRAINED_ANSWER: Final = '{"answer": ["yes", 42]}'
+#: Reasoning the kit writes where no sample reasons before the end tag.
+SOME_REASONING: Final = "Let me think."
 
 
 def check_reasoning_parser(cls: type[ReasoningParser], *, options: Mapping[str, Any] | None = None,
@@ -72,6 +77,33 @@ def _samples(subject: ParserUnderTest) -> None:
         raise broken(SEAM, SAMPLES, "no sample reply is a plain answer (no reasoning)")
 
 
+def _answers(subject: ParserUnderTest) -> None:
+    """For each sample prompt, the replies a constraint on the answer gives (``reply_reasoning``) parse
+    into that answer: after the reasoning's end tag, or whole where the reply does not reason."""
+    parser = subject.parser
+    for prompt, reply in subject.cases:
+        shape = parser.reply_reasoning(prompt)
+        replies = [CONSTRAINED_ANSWER]   # a reply constrained from its first token
+        if shape is not None:
+            for name, tag in (("end", shape.end), ("start", shape.start)):
+                if tag is not None and tag not in _markers(subject):
+                    raise broken(SEAM, ANSWERS, f"reply_reasoning({prompt!r}).{name} {tag!r} is not among the "
+                                                f"parser's markers {_markers(subject)}")
+            opened = shape.start or ""
+            reasoned = (reply[:reply.index(shape.end)] if shape.end in reply and reply.startswith(opened)
+                        else opened + SOME_REASONING)
+            replies = [reasoned + shape.end + CONSTRAINED_ANSWER] + ([CONSTRAINED_ANSWER] if shape.start else [])
+        for text in replies:
+            whole = subject.whole(prompt, text)
+            stream = subject.stream(prompt)
+            streamed = subject.streamed([*(stream.feed(char) for char in text), stream.finish()])
+            if whole.content != CONSTRAINED_ANSWER or streamed.content != CONSTRAINED_ANSWER:
+                raise broken(SEAM, ANSWERS, f"with the prompt {prompt!r}, reply_reasoning gives {shape!r}; the "
+                                            f"reply {text!r} parses into the content {whole.content!r} (streamed "
+                                            f"{streamed.content!r}), not the constrained answer "
+                                            f"{CONSTRAINED_ANSWER!r}")
+
+
 def _markers(subject: ParserUnderTest) -> tuple[str, ...]:
     return tuple(type(subject.parser).markers)
 
@@ -81,4 +113,5 @@ REASONING_PARSER_CHECKS: Final = (
     Check("covers_reply", COVERS, lambda s: check_partition(s, partial(broken, SEAM, COVERS), _markers(s))),
     Check("streaming", STREAMS, lambda s: check_streaming(s, partial(broken, SEAM, STREAMS))),
     Check("garbled", GARBLED, lambda s: check_garbled(s, partial(broken, SEAM, GARBLED), _markers(s))),
+    Check("constrained_answer", ANSWERS, _answers),
 )

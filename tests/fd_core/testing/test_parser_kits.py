@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import pytest
 
-from fd_core.contracts.reasoning_parser import ReasoningScan
+from fd_core.contracts.reasoning_parser import ReasoningParser, ReasoningScan, ReplyReasoning
 from fd_core.contracts.tool_parser import FoundCall, ToolScan
 from fd_core.testing.conformance import (
     ConformanceError,
@@ -55,12 +55,34 @@ class _Swallower(ThinkReasoningParser):
         return super().scan(text, state, final=final)
 
 
+class _Unaware(ThinkReasoningParser):
+    """Keeps the contract's default reply_reasoning (constraints from the first token), though its prompts
+    open the reasoning: a constrained answer would be read as reasoning."""
+
+    name: ClassVar[str] = "unaware"
+    reply_reasoning = ReasoningParser.reply_reasoning
+
+
+class _Untagged(ThinkReasoningParser):
+    """Names an end tag that is not among its markers."""
+
+    name: ClassVar[str] = "untagged"
+
+    def reply_reasoning(self, prompt):
+        return ReplyReasoning("</thought>")
+
+
 @pytest.mark.parametrize(("check", "cls", "words"), [
     (check_tool_parser, _Hasty, "tool parser invariant 'streaming in any split gives the whole parse' broken: "),
     (check_tool_parser, _Inventive, "tool parser invariant 'calls are read from the reply, never invented' broken: "
                                     "call 'guessed' read from '<tool_call>"),
     (check_reasoning_parser, _Swallower, "reasoning parser invariant 'the pieces are the reply, verbatim; markup is "
                                          "whitespace and markers' broken: markup 'The ' of"),
+    (check_reasoning_parser, _Unaware, "reasoning parser invariant 'a constrained answer is the content, after the "
+                                       "reasoning tags' broken: with the prompt '<|im_start|>assistant\\n<think>\\n', "
+                                       "reply_reasoning gives None; the reply '{\"answer\""),
+    (check_reasoning_parser, _Untagged, "reasoning parser invariant 'a constrained answer is the content, after the "
+                                        "reasoning tags' broken: reply_reasoning('').end '</thought>' is not among"),
 ])
 def test_a_broken_parser_fails_naming_the_invariant(check, cls, words):
     with pytest.raises(ConformanceError) as caught:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fd_core.contracts.reasoning_parser import ReasoningText
+from fd_core.contracts.reasoning_parser import ReasoningText, ReplyReasoning
 from fd_plugins.reasoning_parsers.ernie_x1 import ErnieX1ReasoningParser
 from fd_plugins.reasoning_parsers.think import ThinkReasoningParser
 from fd_plugins.tool_parsers.ernie import ErnieToolParser
@@ -42,3 +42,8 @@ def test_the_template_choice_prefers_ernie_x1_over_think_for_ernie_templates():
     assert ErnieX1ReasoningParser.matches_template(ernie) and ThinkReasoningParser.matches_template(ernie)
     assert ErnieX1ReasoningParser.template_priority > ThinkReasoningParser.template_priority
     assert not ErnieX1ReasoningParser.matches_template("<|im_start|></think>")
+
+
+def test_a_constrained_answer_starts_after_the_reasoning_and_parses_as_the_content():
+    assert PARSER.reply_reasoning("<|begin_of_sentence|>User: Hi\nAssistant: ") == ReplyReasoning("</think>")
+    assert PARSER.parse('Weather.\n</think>{"city": "北京"}') == ReasoningText("Weather.", '{"city": "北京"}')

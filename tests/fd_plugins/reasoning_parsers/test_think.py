@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fd_core.contracts.reasoning_parser import ReasoningText
+from fd_core.contracts.reasoning_parser import ReasoningText, ReplyReasoning
 from fd_plugins.reasoning_parsers.think import ThinkReasoningParser
 from tests.fd_plugins.reasoning_parsers.streaming import joined, streamed
 
@@ -48,3 +48,14 @@ def test_an_opening_tag_split_across_deltas_and_a_false_alarm():
 def test_the_template_choice():
     assert ThinkReasoningParser.matches_template("{%- if '</think>' in content %}")
     assert not ThinkReasoningParser.matches_template("{{ messages }}")
+
+
+def test_where_a_constrained_answer_starts_follows_the_prompt():
+    # the prompt opened the block: the reply reasons up to </think>; it closed it: no reasoning at all;
+    # neither (Qwen3 writes <think> itself when thinking): the reply reasons only if it begins with <think>
+    assert PARSER.reply_reasoning(QWEN3_THINKING_PROMPT) == ReplyReasoning("</think>")
+    assert PARSER.reply_reasoning(QWEN3_NO_THINKING_PROMPT) is None
+    assert PARSER.reply_reasoning("<|im_start|>assistant\n") == ReplyReasoning("</think>", start="<think>")
+    # an earlier turn's closed block does not close this reply's
+    earlier = "<|im_start|>assistant\n<think>a</think>b<|im_end|>\n<|im_start|>user\nAnd?<|im_end|>\n"
+    assert PARSER.reply_reasoning(earlier + "<|im_start|>assistant\n") == ReplyReasoning("</think>", start="<think>")
