@@ -124,6 +124,9 @@ def test_logit_bias_moves_the_greedy_choice(tiny_model_dir) -> None:
     (SamplingParams(guided=GuidedDecoding("choice", "[]")), "guided", "non-empty list"),
     (SamplingParams(guided=GuidedDecoding("xml", "<a/>")), "guided", "kind must be one of"),
     (SamplingParams(guided=REGEX, ignore_eos=True), "ignore_eos", "cannot be combined"),
+    (SamplingParams(guided=GuidedDecoding("regex", "a", reasoning_start="<think>")), "guided",
+     "reasoning_start needs reasoning_end"),
+    (SamplingParams(guided=GuidedDecoding("regex", "a", reasoning_end="")), "guided", "reasoning_end must be 1 to 64"),
     (SamplingParams(logit_bias={512: 1.0}), "logit_bias", "outside the vocabulary"),
     (SamplingParams(logit_bias={1: 100.5}), "logit_bias", "[-100, 100]"),
 ])
@@ -133,3 +136,77 @@ def test_bad_constraints_and_biases_are_refused_naming_the_field(tiny_model_dir,
         engine.add_request(Request("bad", PROMPT, params))
     assert info.value.field == field and words in str(info.value)
     assert not engine.has_unfinished()
+
+
+# --- a constraint on the answer after the reasoning ------------------------------------------------------
+
+CHOICE = '["ab", "cd"]'
+
+
+def _free_run_and_tag(engine) -> tuple[list[int], int, str]:
+    """The greedy unconstrained tokens, the index of the token that first completes a two-token tag
+    written there (at least 3 tokens in), and that tag."""
+    free, _, _ = _drain(engine, [Request("free", PROMPT, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                        ignore_eos=True))])["free"]
+    table = engine.tokenizer.token_bytes()
+    for end in range(3, len(free)):
+        tag = table[free[end - 1]] + table[free[end]]
+        text = b"".join(table[t] for t in free[:end + 1])
+        if text.find(tag) + len(tag) == len(text) and tag.decode("utf-8", "replace").isprintable():
+            return free, end, tag.decode()
+    raise AssertionError(f"no tag in the free run {free}")
+
+
+def test_a_constraint_after_the_reasoning_leaves_the_reasoning_free_and_holds_the_answer(tiny_model_dir) -> None:
+    engine = _engine(tiny_model_dir)
+    free, end, tag = _free_run_and_tag(engine)
+    reasoning = engine.tokenizer.decode(free[:end + 1])
+    assert not any(choice.startswith(reasoning[:1]) for choice in json.loads(CHOICE))   # the choice forbids it
+    opened_by = engine.tokenizer.decode(free[:1])
+    for guided in (GuidedDecoding("choice", CHOICE, reasoning_end=tag),                     # the reply reasons first
+                   GuidedDecoding("choice", CHOICE, reasoning_end=tag, reasoning_start=opened_by)):   # it opens it
+        tokens, reason, _ = _drain(engine, [Request("r", PROMPT, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                guided=guided))])["r"]
+        assert tokens[:end + 1] == free[:end + 1] and reason == "stop"
+        assert engine.tokenizer.decode(tokens[end + 1:]) in json.loads(CHOICE)
+
+
+def test_a_reply_that_does_not_open_or_never_ends_its_reasoning(tiny_model_dir) -> None:
+    engine = _engine(tiny_model_dir)
+    plain, _, _ = _drain(engine, [Request("plain", PROMPT, SamplingParams(
+        max_tokens=12, temperature=0.0, guided=GuidedDecoding("choice", CHOICE)))])["plain"]
+    not_opened, _, _ = _drain(engine, [Request("not-opened", PROMPT, SamplingParams(
+        max_tokens=12, temperature=0.0, guided=GuidedDecoding("choice", CHOICE, reasoning_end="</x>",
+                                                              reasoning_start="\x01")))])["not-opened"]
+    assert not_opened == plain   # constrained from its first token
+    free, reason, _ = _drain(engine, [Request("free", PROMPT, SamplingParams(max_tokens=12, temperature=0.0))])["free"]
+    never, never_reason, _ = _drain(engine, [Request("never", PROMPT, SamplingParams(
+        max_tokens=12, temperature=0.0, guided=GuidedDecoding("choice", CHOICE, reasoning_end="</x>")))])["never"]
+    assert (never, never_reason) == (free, reason)   # no mask at all: the tag never came
+    assert engine.tokenizer.decode(free) not in json.loads(CHOICE)
+
+
+def test_replays_from_the_delivered_tokens_make_the_same_mask_decisions(tiny_model_dir) -> None:
+    import numpy as np
+
+    from fd_core.runner.constraints import Constraints
+
+    engine = _engine(tiny_model_dir)
+    free, end, tag = _free_run_and_tag(engine)
+    guided = GuidedDecoding("choice", CHOICE, reasoning_end=tag, reasoning_start=engine.tokenizer.decode(free[:1]))
+    params = SamplingParams(max_tokens=12, temperature=0.0, guided=guided)
+    whole, _, _ = _drain(engine, [Request("whole", PROMPT, params)])["whole"]
+    for cut in range(1, len(whole)):   # a continuation re-served from every point: the rest is the same
+        rest, reason, _ = _drain(engine, [Request(f"c{cut}", PROMPT, params, output_token_ids=whole[:cut])])[f"c{cut}"]
+        assert whole[:cut] + rest == whole and reason == "stop"
+    live, request = engine.constraints, Request("m", PROMPT, params, eos_token_ids=engine.tokenizer.eos_token_ids)
+    allowed = []
+    for n in range(len(whole)):
+        request.output_token_ids = whole[:n]
+        logits = [np.zeros((1, live.vocab_size), dtype=np.float32) for _ in range(2)]
+        live.mask(logits[0], [request])   # the same matcher, step after step
+        Constraints(live.backend, vocab_size=live.vocab_size, token_bytes=live.token_bytes).mask(logits[1], [request])
+        assert np.array_equal(np.isfinite(logits[0]), np.isfinite(logits[1])), n
+        allowed.append(int(np.isfinite(logits[0]).sum()))
+    # opening: the choice's and the tag's first tokens; reasoning: (almost) everything; the answer: the choice
+    assert allowed[0] < 20 and min(allowed[1:end + 1]) > live.vocab_size - 20 and max(allowed[end + 1:]) < 20

@@ -241,6 +241,16 @@ def test_sentencepiece_spaces_and_byte_fallback(case) -> None:
     assert pieces == [*prefix, SP, f"{SP}the", SP, "<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_into_the_text_with_its_spaces_and_bytes(case, text: str) -> None:
+    name, _, _, ours = case
+    ids = ours.encode(text, add_special_tokens=False)
+    joined = b"".join(ours.token_bytes()[i] for i in ids).decode()
+    # spelt as in running text: the space the tokenizer prepends is there (the decoder drops it)
+    prepended = " " if VARIANTS[name]["add_space_prefix"] is not False and text else ""
+    assert joined == prepended + ours.decode(ids)
+
+
 def test_special_tokens(case) -> None:
     name, _, _, ours = case
     variant = VARIANTS[name]

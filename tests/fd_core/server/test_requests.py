@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from fd_core.request import Request, SamplingParams
+from fd_core.request import GuidedDecoding, Request, SamplingParams
 from fd_core.server import wire
 from fd_core.server.prepare import Limits, Prompt, build_requests
 from fd_core.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -339,6 +339,13 @@ def test_the_wire_carries_priority_with_every_field_of_an_add():
             decoded.arrival_time, decoded.group_id, decoded.output_token_ids) == (
         "r-1", [5, 6, 7], request.sampling_params, (0, 2), 123.5, "g", [9])
     assert wire.decode_request(wire.unpack(wire.pack(wire.encode_request(Request("r-2", [5]))))).priority == 0
+
+
+def test_the_wire_carries_a_constraint_with_its_reasoning_tags():
+    for guided in (GuidedDecoding("json_object"), GuidedDecoding("regex", "a+", reasoning_end="</think>"),
+                   GuidedDecoding("choice", '["a"]', reasoning_end="</think>", reasoning_start="<think>")):
+        request = Request("r", [5], SamplingParams(guided=guided))
+        assert wire.decode_request(wire.unpack(wire.pack(wire.encode_request(request)))).sampling_params.guided == guided
 
 
 def test_the_wire_docstring_names_every_item_of_an_add():

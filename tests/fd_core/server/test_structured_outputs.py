@@ -1,12 +1,15 @@
 """Constrained decoding through the official ``openai`` client against fd-serve with the default model:
 ``response_format`` (``client.chat.completions.parse`` with pydantic models, ``json_object``), vLLM's
-``guided_*`` and ``structured_outputs`` fields, ``logit_bias``, and the 400s of bad constraints."""
+``guided_*`` and ``structured_outputs`` fields, ``logit_bias``, the 400s of bad constraints, and a
+constraint on the answer after the reasoning: the server reads replies with the ``think`` reasoning
+parser, so a reply may open ``<think>`` first (SmolLM2 does not, unless steered)."""
 
 from __future__ import annotations
 
 import json
 import re
 from enum import Enum
+from typing import Literal
 
 import openai
 import pydantic
@@ -15,6 +18,7 @@ import pytest
 from fd_core.config import DEFAULT_MODEL
 from fd_core.model.loader import load_tokenizer
 from tests.fd_core.server.conftest import start_server
+from tests.fd_core.server.test_tool_calls import ARGUMENTS, QUESTION, TOOLS
 
 pytest.importorskip("xgrammar")
 
@@ -56,7 +60,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("structured"), "--model.max_model_len", "1024",
-                          "--cache.num_blocks", "256", name="structured")
+                          "--cache.num_blocks", "256", "--reasoning_parser.name", "think", name="structured")
     yield server
     assert server.stop() == 0, server.log()
 
@@ -162,3 +166,49 @@ def test_bad_constraints_are_400s_naming_the_field(client) -> None:
             client.chat.completions.create(model=DEFAULT_MODEL, messages=_chat("hi"), max_tokens=5,
                                            extra_body=extra)
         assert info.value.body["param"] == param, (extra, info.value.body)
+
+
+class Verdict(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    answer: Literal["yes", "no"]
+
+
+@pytest.fixture(scope="module")
+def into_reasoning(server) -> dict[str, int]:
+    """A logit bias that has SmolLM2 open <think> and soon close it (alone, it answers at once)."""
+    import httpx
+
+    def token(text: str) -> str:
+        [token_id] = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()[
+            "tokens"]
+        return str(token_id)
+
+    return {token("<"): 3, token("</"): 4}
+
+
+def test_a_constraint_applies_to_the_answer_after_the_reasoning(client, into_reasoning) -> None:
+    kwargs = {"model": DEFAULT_MODEL, "messages": _chat("Is the sun hot?"), "max_tokens": 60, "temperature": 0,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "verdict",
+                                                                         "schema": Verdict.model_json_schema()}}}
+    direct = client.chat.completions.create(**kwargs).choices[0].message
+    assert not getattr(direct, "reasoning_content", None)
+    Verdict.model_validate_json(direct.content)
+    steered = client.chat.completions.create(**kwargs, logit_bias=into_reasoning).choices[0]
+    assert steered.finish_reason == "stop" and steered.message.reasoning_content.strip()
+    Verdict.model_validate_json(steered.message.content)   # the JSON follows </think>, whole
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(**kwargs, logit_bias=into_reasoning, stream=True):
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == (steered.message.reasoning_content, steered.message.content)
+
+
+def test_required_tool_calls_follow_the_reasoning_too(client, into_reasoning) -> None:
+    reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required",
+                                           max_tokens=120, temperature=0,
+                                           logit_bias=into_reasoning).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.reasoning_content.strip()
+    assert not reply.message.content
+    for call in reply.message.tool_calls:
+        ARGUMENTS[call.function.name].model_validate_json(call.function.arguments)

@@ -1,7 +1,8 @@
 """Tool calling and reasoning through the official ``openai`` client: ``tool_choice`` ``required`` and a
 named function on the default model (enforced by a constraint, so any model's calls validate), a tool
-result in the next turn, and on a tiny model whose chat template is Qwen's kind, ``auto`` calls and
-``<think>`` reasoning read out of replies (forced here with a regex), whole and streamed."""
+result in the next turn, and on a tiny model whose chat template is Qwen3's kind, ``auto`` calls and
+``<think>`` reasoning read out of replies (forced here with a regex), whole and streamed, and where a
+constraint starts: after the reasoning, or from the first token when the prompt closed the reasoning."""
 
 from __future__ import annotations
 
@@ -129,12 +130,16 @@ def test_a_tool_message_without_its_call_id_is_a_400(client) -> None:
 # --- auto: the model's own call format, and its reasoning, read out of the reply --------------------------
 
 QWEN_LIKE_TEMPLATE = (
-    "{#- a thinking model: it writes <think>...</think> first #}"
+    "{#- a thinking model: it writes <think>...</think> first, unless enable_thinking is false #}"
     "{%- if tools %}<|im_start|>system\nCall tools as <tool_call>JSON</tool_call><|im_end|>\n{%- endif %}"
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{%- endif %}")
 FORCED = (r'<think>\nThe user wants the weather\.\n</think>\n\n'
           r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris", "unit": "celsius"\}\}\n</tool_call>')
+#: A constraint is on the answer after the reasoning; where the prompt closed the reasoning (thinking off),
+#: it holds from the first token, so a regex can force a whole reply, <think> block and all, for the parsers.
+WHOLE_REPLY = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +155,7 @@ def tiny_client(tmp_path_factory):
 
 def test_auto_reads_the_model_s_calls_and_reasoning_whole_and_streamed(tiny_client) -> None:
     kwargs = {"model": tiny_client.models.list().data[0].id, "messages": QUESTION, "tools": TOOLS,
-              "max_tokens": 150, "temperature": 0, "extra_body": {"guided_regex": FORCED}}
+              "max_tokens": 150, "temperature": 0, "extra_body": {"guided_regex": FORCED, **WHOLE_REPLY}}
     message = tiny_client.chat.completions.create(**kwargs).choices[0]
     assert message.finish_reason == "tool_calls"
     assert message.message.reasoning_content.strip() == "The user wants the weather."
@@ -172,9 +177,26 @@ def test_auto_reads_the_model_s_calls_and_reasoning_whole_and_streamed(tiny_clie
 def test_reasoning_is_split_from_a_plain_answer(tiny_client) -> None:
     reply = tiny_client.chat.completions.create(
         model=tiny_client.models.list().data[0].id, messages=QUESTION, max_tokens=80, temperature=0,
-        extra_body={"guided_regex": r"<think>\nShort\.\n</think>\n\nIt is sunny\."}).choices[0]
+        extra_body={"guided_regex": r"<think>\nShort\.\n</think>\n\nIt is sunny\.", **WHOLE_REPLY}).choices[0]
     assert reply.finish_reason == "stop"
     assert reply.message.reasoning_content.strip() == "Short." and reply.message.content.strip() == "It is sunny."
+
+
+def test_a_constraint_holds_from_the_first_token_only_where_the_prompt_closed_the_reasoning(tiny_client) -> None:
+    import httpx
+
+    base = str(tiny_client.base_url).removesuffix("/v1/")
+    [angle] = httpx.post(f"{base}/tokenize", json={"prompt": "<", "add_special_tokens": False}).json()["tokens"]
+    choices = ["sunny", "rainy"]
+    kwargs = {"model": tiny_client.models.list().data[0].id, "messages": QUESTION, "max_tokens": 12,
+              "temperature": 0, "logit_bias": {str(angle): 100}}   # pushes towards "<", which no choice begins with
+    closed = tiny_client.chat.completions.create(**kwargs, extra_body={"guided_choice": choices, **WHOLE_REPLY})
+    message = closed.choices[0].message
+    assert message.content in choices and not getattr(message, "reasoning_content", None)
+    # thinking on: the reply may open its reasoning; the bias opens it, and the choice does not hold there
+    opened = tiny_client.chat.completions.create(**kwargs, extra_body={"guided_choice": choices}).choices[0]
+    assert opened.finish_reason == "length" and not opened.message.content
+    assert opened.message.reasoning_content.startswith("<")
 
 
 def test_tokenize_and_detokenize_agree_with_the_chat_endpoint(client) -> None:
