@@ -10,7 +10,10 @@ matcher fills that row of a token bitmask; the sampler sets every token whose bi
 The engine builds a matcher lazily, the first time a request is sampled, and first feeds it the
 request's ``output_token_ids``: a continuation re-served by the pool or a data-parallel rank, a
 preempted request and a prefill instance's first token all follow the same constraint without
-state travelling with the request.
+state travelling with the request. A constraint on the answer of a reasoning reply
+(``GuidedDecoding.reasoning_end``) is the engine's business, not the backend's: it feeds the matcher
+only the answer's tokens and leaves the reasoning's rows unmasked (``fd_core.runner.answer_start``);
+a backend compiles ``kind`` and ``spec`` and ignores the tags.
 
 Invariants the engine relies on (the conformance kit checks them):
 - :meth:`~GuidedDecodingBackend.compile` is deterministic and cheap to call again with an equal

@@ -87,8 +87,8 @@ class ReasoningParser(TemplateParser, ABC):
         ``start``: only if the reply begins with ``start``; a reply that begins otherwise is
         constrained from its first token). Parsing must agree: the text after the first ``end`` of a
         reply that reasons, and the whole of a reply that does not, are its answer, verbatim but for
-        whitespace next to a tag (the conformance kit checks it). Both tags are among :attr:`markers`. Default: None (replies are
-        constrained from their first token).
+        whitespace next to a tag (the conformance kit checks it). Both tags are among :attr:`markers`.
+        Default: None (replies are constrained from their first token).
         """
         return None
 

@@ -10,7 +10,8 @@ Per row, in this order (the order of Hugging Face's logits processors):
 3. **min_tokens**: while fewer than ``min_tokens`` tokens were generated, the stop token ids
    and (unless ``ignore_eos``) the eos ids are masked, so the request cannot stop early.
 4. **Constraint** (guided decoding, :mod:`fd_core.runner.constraints`): tokens the row's
-   constraint forbids are masked. A row left with no allowed token is not sampled: its
+   constraint forbids are masked (a constraint on the answer of a reasoning reply masks nothing
+   while the reply reasons). A row left with no allowed token is not sampled: its
    SampledToken carries ``error`` instead, and the engine ends that request alone.
 5. **Greedy** rows (``temperature`` 0, or below ``MIN_TEMPERATURE``: dividing by it would
    overflow float32) take the argmax here; filters never drop the argmax.

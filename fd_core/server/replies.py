@@ -6,8 +6,9 @@ A :class:`ReplyShape` belongs to one chat request. It knows how the reply's text
   model's thinking into ``reasoning_content``;
 - with ``tools`` and ``tool_choice`` ``auto``, a tool parser (``[tool_parser]``) reads the calls
   the model wrote in its own format out of the answer;
-- with ``tool_choice`` ``required`` or a named function, the reply was constrained to JSON
-  (:func:`tool_call_constraint`) and every call is read from that JSON; nothing is content.
+- with ``tool_choice`` ``required`` or a named function, the reply's answer (after any reasoning) was
+  constrained to JSON (:func:`tool_call_constraint`) and every call is read from that JSON; nothing
+  is content.
 
 :meth:`ReplyShape.message` shapes a whole reply; :meth:`ReplyShape.stream` gives a per-choice
 :class:`ReplyStream` whose deltas concatenate to the same message.

@@ -344,8 +344,8 @@ def test_the_wire_carries_priority_with_every_field_of_an_add():
 def test_the_wire_carries_a_constraint_with_its_reasoning_tags():
     for guided in (GuidedDecoding("json_object"), GuidedDecoding("regex", "a+", reasoning_end="</think>"),
                    GuidedDecoding("choice", '["a"]', reasoning_end="</think>", reasoning_start="<think>")):
-        request = Request("r", [5], SamplingParams(guided=guided))
-        assert wire.decode_request(wire.unpack(wire.pack(wire.encode_request(request)))).sampling_params.guided == guided
+        message = wire.unpack(wire.pack(wire.encode_request(Request("r", [5], SamplingParams(guided=guided)))))
+        assert wire.decode_request(message).sampling_params.guided == guided
 
 
 def test_the_wire_docstring_names_every_item_of_an_add():
