@@ -50,7 +50,7 @@ class ReasoningTags:
         #: before their last byte (masked while reasoning: the answer starts at a token boundary).
         self.overshooting = self._overshooting()
         #: ``opening[n]``: token ids that continue the start tag after ``n`` of its bytes, or complete
-        #: it (without completing the end tag too, and more).
+        #: it (but not those that go on to end the end tag before their last byte).
         self.opening = [] if self.start is None else self._opening(self.start)
 
     def bytes_of(self, token_id: int) -> bytes:
@@ -80,7 +80,7 @@ class ReasoningTags:
                 for partial in range(len(self.end))]
 
     def _opening(self, start: bytes) -> list[np.ndarray]:
-        starting = {byte: [] for byte in start}   # first byte -> the tokens that begin with it
+        starting: dict[int, list[int]] = {byte: [] for byte in start}   # first byte -> the tokens beginning with it
         for i, data in enumerate(self.token_bytes):
             if data and data[0] in starting:
                 starting[data[0]].append(i)
