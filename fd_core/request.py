@@ -118,10 +118,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None    # top-n logprobs per sampled token; None: off
-    prompt_logprobs: int | None = None   # top-n logprobs per prompt position (from the second on); None: off
     n: int = 1
     guided: GuidedDecoding | None = None   # a constraint on the output (guided decoding); None: free
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
+    prompt_logprobs: int | None = None   # top-n logprobs per prompt position (from the second on); None: off
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
@@ -192,9 +192,6 @@ class Request:
     prompt: str | None = None              # the text, when the request came as text
     group_id: str | None = None            # shared by the sibling requests of one client call (n > 1)
     output_token_ids: list[int] = field(default_factory=list)
-    # Logprobs of prompt positions 1, 2, ... computed so far (``sampling_params.prompt_logprobs``),
-    # entry i for prompt token i + 1; the engine core hands them to the first output, then drops them.
-    prompt_logprobs: list[SampledToken] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0             # prompt tokens served from the prefix cache
@@ -206,6 +203,9 @@ class Request:
     admitted_time: float | None = None     # latest start of running: updated on every (re)admission
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Logprobs of prompt positions 1, 2, ... computed so far (``sampling_params.prompt_logprobs``),
+    # entry i for prompt token i + 1; the engine core hands them to the first output, then drops them.
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -119,16 +119,19 @@ def _check_size(text: str, limits: Limits, field: str) -> None:
 
 def build_requests(body: _SamplingFields, prompts: list[Prompt], *, max_tokens: int | None,
                    max_tokens_field: str, logprobs: int | None, logprobs_field: str, limits: Limits,
-                   eos_token_ids: tuple[int, ...], response_id: str) -> list[Request]:
-    """One engine request per (prompt, choice), in choice-index order. Raises RequestError."""
+                   eos_token_ids: tuple[int, ...], response_id: str,
+                   prompt_logprobs: int | None = None) -> list[Request]:
+    """One engine request per (prompt, choice), in choice-index order; ``prompt_logprobs`` (top-n,
+    the body's ``logprobs_field``) asks for the prompt's logprobs too. Raises RequestError."""
     if len(prompts) * body.n > MAX_CHOICES:
         raise RequestError("n", f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} choices; "
                            f"at most {MAX_CHOICES} per request")
     constraint = body.constraint()
-    renames = {"max_tokens": max_tokens_field, "logprobs": logprobs_field,
+    renames = {"max_tokens": max_tokens_field, "logprobs": logprobs_field, "prompt_logprobs": logprobs_field,
                "guided": constraint[0] if constraint else "guided"}
     placeholder = max(1, body.min_tokens) if max_tokens is None else max_tokens  # replaced per prompt below
     base = _validated(_sampling_params(body, max_tokens=placeholder, logprobs=logprobs,
+                                       prompt_logprobs=prompt_logprobs,
                                        guided=constraint[1] if constraint else None), renames)
     requests = []
     for p_index, prompt in enumerate(prompts):
@@ -170,7 +173,7 @@ def _check_prompt(prompt: Prompt, field: str, limits: Limits) -> None:
         raise RequestError(field, f"token id {bad} in {field} is outside the vocabulary (0..{limits.vocab_size - 1})")
 
 
-def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
                      guided: GuidedDecoding | None) -> SamplingParams:
     """The parameters of ``body`` (``max_tokens`` is replaced per prompt when it was not given)."""
     def pick(value: Any, default: Any) -> Any:
@@ -182,7 +185,8 @@ def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | 
         repetition_penalty=pick(body.repetition_penalty, 1.0), presence_penalty=pick(body.presence_penalty, 0.0),
         frequency_penalty=pick(body.frequency_penalty, 0.0), seed=body.seed, stop=body.stop_list(),
         stop_token_ids=list(body.stop_token_ids or ()), include_stop_str_in_output=body.include_stop_str_in_output,
-        ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n, guided=guided, logit_bias=body.token_biases())
+        ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=body.n, guided=guided,
+        logit_bias=body.token_biases())
 
 
 def _validated(params: SamplingParams, renames: dict[str, str]) -> SamplingParams:

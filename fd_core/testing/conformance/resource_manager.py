@@ -55,6 +55,7 @@ BUDGETS = "steps stay within max_num_seqs and max_num_batched_tokens"
 ROWS = "each row is one live RUNNING request computing >= 1 token"
 ADVANCES = "schedule advances num_computed_tokens by the planned tokens"
 CONTINUES = "rows continue where the request's last row ended"
+PROMPT_LOGPROBS = "a request that needs prompt logprobs computes its whole prompt"
 TABLES = "block tables are valid and only grow at their end"
 SHARING = "blocks are shared only through prefix caching"
 NO_LEAKS = "no block leaks or double frees"
@@ -109,7 +110,8 @@ def check_resource_manager(
       only row computes a whole prompt longer than the budget (managers without chunked prefill);
     * every row: ``num_new_tokens >= 1``, one row per request, the request is RUNNING, ``start`` is
       where the request's previous row ended (a newly admitted one starts at 0 or, with prefix
-      caching, at a block boundary before its last token), ``num_computed_tokens`` was advanced to
+      caching, at a block boundary before its last token; a request whose ``needs_prompt_logprobs``
+      is true, every fourth of the trace, always at 0), ``num_computed_tokens`` was advanced to
       ``start + num_new_tokens``, ``sample`` is set exactly when that reaches ``num_tokens``;
     * block tables: ids are in range and distinct, cover ``start + num_new_tokens`` tokens, and a
       running request's table only grows at its end;
@@ -218,7 +220,8 @@ def _make_traces(rng: random.Random, limits: KVLimits, num_requests: int, max_pr
         length = rng.randint(1, min(prompt_cap, longest - max_tokens))
         prompt = rng.choice(prefixes)[:length] if rng.random() < shared_prefix_prob else []
         prompt += [rng.randrange(vocab_size) for _ in range(length - len(prompt))]
-        request = Request(f"req-{i}", prompt, SamplingParams(max_tokens=max_tokens), arrival_time=float(i))
+        params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=0 if i % 4 == 3 else None)
+        request = Request(f"req-{i}", prompt, params, arrival_time=float(i))
         traces.append(_Trace(rng.randint(0, spread), request))
     traces.sort(key=lambda t: t.arrival_step)
     return traces
@@ -343,6 +346,9 @@ class _Simulation:
                 self.fail(f"{rid}: row starts at {start}, its previous row ended at {self.computed[rid]}", CONTINUES)
             if table[:len(old)] != old:
                 self.fail(f"{rid}: block table {table} does not extend its previous table {old}", TABLES)
+        elif start != 0 and request.needs_prompt_logprobs:
+            self.fail(f"{rid}: newly admitted at start {start}, but it needs prompt logprobs (no prefix-cache hits)",
+                      PROMPT_LOGPROBS)
         elif start != 0 and not (self.limits.enable_prefix_caching and start % bs == 0 and start < request.num_tokens):
             self.fail(f"{rid}: newly admitted at start {start}, not 0 or a cached block boundary", CONTINUES)
         if len(table) * bs < end:

@@ -14,6 +14,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
+from fd_core.outputs import RequestOutput, SampledToken
 from fd_core.request import Request, SamplingParams
 from fd_core.server import wire
 from fd_core.server.prepare import Limits, Prompt, build_requests
@@ -339,6 +340,15 @@ def test_the_wire_carries_priority_with_every_field_of_an_add():
             decoded.arrival_time, decoded.group_id, decoded.output_token_ids) == (
         "r-1", [5, 6, 7], request.sampling_params, (0, 2), 123.5, "g", [9])
     assert wire.decode_request(wire.unpack(wire.pack(wire.encode_request(Request("r-2", [5]))))).priority == 0
+
+
+def test_the_wire_carries_an_output_s_prompt_logprobs():
+    output = RequestOutput("r-1", [9], "x", [SampledToken(9, -0.5, [(9, -0.5)])],
+                           prompt_logprobs=[SampledToken(6, -1.25, [(7, -0.25)]), SampledToken(8, -3.0, [])])
+    assert wire.decode_output(wire.unpack(wire.pack(wire.encode_output(output)))) == output
+    assert wire.decode_output(wire.encode_output(RequestOutput("r-2"))).prompt_logprobs is None
+    earlier_version = wire.encode_output(output)[:-1]   # sends no prompt_logprobs
+    assert wire.decode_output(earlier_version).prompt_logprobs is None
 
 
 def test_the_wire_docstring_names_every_item_of_an_add():

@@ -32,6 +32,16 @@ def test_a_manager_that_leaks_a_block_is_caught_naming_the_invariant(broken_plug
         check_resource_manager(lambda limits: leaks(None, limits=limits, hooks=HOOKS))
 
 
+def test_a_manager_that_serves_prompt_logprobs_from_its_prefix_cache_is_caught():
+    class HitsForEveryone(V1ResourceManager):
+        def _looks_up(self, request):
+            return self.prefix_cache is not None
+
+    with pytest.raises(ConformanceError, match="'a request that needs prompt logprobs computes its whole prompt' "
+                                               r"broken: HitsForEveryone.*needs prompt logprobs"):
+        check_resource_manager(lambda limits: HitsForEveryone(None, limits=limits, hooks=HOOKS))
+
+
 def test_options_reach_the_manager():
     report = run_plugin_checks("resource_manager", V0ResourceManager, {"reserved_decode_blocks": 0})
     assert report.ok
