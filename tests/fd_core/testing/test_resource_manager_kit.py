@@ -20,7 +20,8 @@ HOOKS = Registry.from_plugins({}).hooks
 def test_the_built_ins_pass_every_row(cls):
     report = run_plugin_checks("resource_manager", cls, {})
     assert [(r.check, r.status) for r in report.results] == [
-        ("tiny_pool", "passed"), ("no_prefix_caching", "passed"), ("strict_budget", "passed")]
+        ("tiny_pool", "passed"), ("no_prefix_caching", "passed"), ("strict_budget", "passed"),
+        ("prompt_logprobs", "passed")]
 
 
 def test_a_manager_that_leaks_a_block_is_caught_naming_the_invariant(broken_plugins):
@@ -39,7 +40,10 @@ def test_a_manager_that_serves_prompt_logprobs_from_its_prefix_cache_is_caught()
 
     with pytest.raises(ConformanceError, match="'a request that needs prompt logprobs computes its whole prompt' "
                                                r"broken: HitsForEveryone.*needs prompt logprobs"):
-        check_resource_manager(lambda limits: HitsForEveryone(None, limits=limits, hooks=HOOKS))
+        check_resource_manager(lambda limits: HitsForEveryone(None, limits=limits, hooks=HOOKS),
+                               prompt_logprobs_every=3)
+    report = run_plugin_checks("resource_manager", HitsForEveryone, {})
+    assert [r.check for r in report.failures] == ["prompt_logprobs"]
 
 
 def test_options_reach_the_manager():
