@@ -66,10 +66,15 @@ class StepResult:
 
     ``sampled`` has an entry for exactly the rows whose ``sample`` flag was set, except rows in
     ``failed`` (guided decoding found no token their constraint allows): the core ends those.
+    ``prompt_logprobs`` has an entry for the rows of requests that ``needs_prompt_logprobs`` whose
+    chunk computed prompt positions they did not have yet.
     """
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)   # request id -> token
     failed: dict[str, str] = field(default_factory=dict)   # request id -> why its row could not be sampled
+    # request id -> the logprobs of the prompt tokens this step predicted, in position order, going on
+    # from the end of ``request.prompt_logprobs`` (``token_id`` is the prompt token; the core appends them)
+    prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> StepResult:
@@ -106,7 +111,10 @@ class RequestOutput:
     """A delta for one request, as handed to ``Scheduler.put_results`` and to clients.
 
     ``new_token_ids`` / ``new_text`` are what this step added; concatenating every delta's
-    ``new_text`` gives the final ``text`` exactly.
+    ``new_text`` gives the final ``text`` exactly. ``prompt_logprobs`` (``SamplingParams.prompt_logprobs``)
+    comes once, on the output carrying the first output token: one entry per prompt token from the
+    second on (the first has no logprob), each the prompt token's logprob and its top-n alternatives.
+    A continuation (it arrived with output tokens) never carries them: its client has them.
     """
 
     request_id: str
@@ -120,3 +128,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[SampledToken] | None = None   # prompt positions 1.. (see above); None on other outputs

@@ -11,7 +11,10 @@ import enum
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from fd_core.outputs import SampledToken
 
 
 class RequestStatus(enum.Enum):
@@ -136,6 +139,7 @@ class SamplingParams:
     n: int = 1
     guided: GuidedDecoding | None = None   # a constraint on the output (guided decoding); None: free
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
+    prompt_logprobs: int | None = None   # top-n logprobs per prompt position (from the second on); None: off
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
@@ -150,6 +154,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs", "must be in [0, 20]"),
             (self.n >= 1, "n", "must be >= 1"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
         )
@@ -216,6 +221,9 @@ class Request:
     admitted_time: float | None = None     # latest start of running: updated on every (re)admission
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Logprobs of prompt positions 1, 2, ... computed so far (``sampling_params.prompt_logprobs``),
+    # entry i for prompt token i + 1; the engine core hands them to the first output, then drops them.
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -225,6 +233,14 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether its prompt logprobs are still to be computed and delivered: asked for
+        (``sampling_params.prompt_logprobs``) and no output token yet. They go out with the first
+        output token, so a request past it (preempted later, or a continuation, whose client has
+        them) needs none. Until then it computes every prompt position: no prefix-cache hits."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def call_id(self) -> str:

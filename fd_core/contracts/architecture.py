@@ -69,7 +69,8 @@ class CausalLM(Protocol):
     def forward(self, input_ids: paddle.Tensor, attn: AttentionMetadata,
                 kv_caches: Sequence[LayerKVCache]) -> paddle.Tensor:
         """Run ``input_ids [T]`` at ``attn``'s positions, writing their K/V into ``kv_caches``;
-        float32 logits ``[S, vocab]`` of the rows at ``attn.sample_indices``."""
+        float32 logits ``[S, vocab]`` of the tokens at ``attn.sample_indices`` (each sampling row's
+        last token, then the prompt positions whose logprobs a request asks for), in that order."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@ Invariants every implementation keeps (checked by ``fd_core.testing.conformance`
   been aborted, :meth:`num_free_blocks` equals :attr:`num_blocks`.
 - A preempted request loses all its blocks, gets ``num_computed_tokens = 0`` and is
   scheduled again later (recompute); its id appears in ``plan.preempted_ids``.
+- A request whose ``needs_prompt_logprobs`` is true is planned from position 0: no prefix-cache
+  hits (it computes every prompt position). The core ends one that skipped positions with an error.
 """
 
 from __future__ import annotations

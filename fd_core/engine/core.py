@@ -10,7 +10,9 @@ Each step:
    (the rest stay in the scheduler, where its ordering hook, TTL and size limit apply);
 3. ``resource_manager.schedule()`` plans the batch;
 4. the runner computes it and samples;
-5. ``token_processor.process`` turns tokens into outputs and *reports* finishes in them;
+5. ``token_processor.process`` turns tokens into outputs and *reports* finishes in them; the core
+   gathers each request's prompt logprobs (``SamplingParams.prompt_logprobs``) over its prefill
+   chunks and puts them on its first output;
 6. the core ends every finished request (:meth:`EngineCore._end`) and
    ``scheduler.put_results`` routes the outputs to their origin; ``scheduler.note_capacity``
    gets the resource manager's figures of the step (a scheduler that takes work from other
@@ -444,15 +446,35 @@ class EngineCore:
             return self._end([(row.request, FinishReason.ERROR, f"model runner failed: {exc}", None)
                               for row in plan.scheduled if row.request.request_id in self._in_engine])
         self._count_tokens(plan, result)
+        if result.prompt_logprobs:   # before the hand-off: a prefill instance ships them with the first token
+            for row in plan.scheduled:
+                row.request.prompt_logprobs.extend(result.prompt_logprobs.get(row.request.request_id, ()))
         self.handoff.computed(plan, result)
         outputs = self._process(plan, result)
         self._hooks.notify("fd_step_finished", plan=plan, result=result, stats={"kv": self.resource_manager.stats()})
         return outputs
 
     def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Sampled tokens -> outputs (token processor), then end the requests it reports finished and
-        those whose row could not be sampled (guided decoding left no token)."""
+        """Sampled tokens -> outputs (token processor), the prompt logprobs onto each request's first
+        output, then end the requests it reports finished, those whose row could not be sampled
+        (guided decoding left no token) and those whose prompt logprobs are incomplete."""
+        due = {row.request.request_id: row.request for row in plan.scheduled
+               if row.request.needs_prompt_logprobs and row.request.request_id in result.sampled}
         outputs = self.token_processor.process(plan, result)
+        incomplete = []
+        for output in outputs:
+            request = due.get(output.request_id)
+            if request is None:
+                continue
+            if len(request.prompt_logprobs) == request.num_prompt_tokens - 1:
+                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+            else:   # positions came from a prefix cache, or from a prefill instance that sent no logprobs
+                incomplete.append((request, FinishReason.ERROR, (
+                    f"prompt logprobs: {len(request.prompt_logprobs)} of the {request.num_prompt_tokens - 1} "
+                    f"prompt positions were computed; the others came from the prefix cache (resource manager "
+                    f"{plugin_label(self.resource_manager)}) or from a prefill instance of an earlier version"),
+                    output))
+        self._end(incomplete)
         self._end([(self._in_engine[o.request_id], o.finish_reason, o.error, o)
                    for o in outputs if o.finish_reason is not None and o.request_id in self._in_engine])
         return outputs + self._end([(self._in_engine[request_id], FinishReason.ERROR, reason, None)

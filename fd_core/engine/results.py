@@ -25,6 +25,8 @@ class CompletionResult:
     error: str | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token from the second on; None when not asked
+    prompt_logprobs: list[SampledToken] | None = None
 
     def add(self, output: RequestOutput) -> None:
         """Fold one delta in; deltas must arrive in order."""
@@ -33,6 +35,8 @@ class CompletionResult:
         self.token_ids.extend(output.new_token_ids)
         self.logprobs.extend(output.new_logprobs)
         self.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.finished:
             self.finished, self.finish_reason, self.error = True, output.finish_reason, output.error
             self.metrics = output.metrics

@@ -319,7 +319,8 @@ class LlamaForCausalLM:
                 x, residual = self._layer(x, residual, layer, cache, attn, writers[layer.rope])
         if attn.sample_indices.shape[0] == 0:
             return paddle.zeros([0, arch.vocab_size], dtype="float32")
-        # Only sampled rows need the final norm and the (large) vocabulary projection.
+        # Only the tokens whose logits are asked for (sampled rows, prompt logprobs) need the final
+        # norm and the (large) vocabulary projection.
         h, _ = self._norm(paddle.gather(x, attn.sample_indices), self.norm,
                           paddle.gather(residual, attn.sample_indices))
         logits = linear(h, self.lm_head)

@@ -8,7 +8,7 @@ All index arithmetic is numpy; each device tensor is a single ``paddle.to_tensor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,8 @@ class AttentionMetadata:
     block_tables: np.ndarray             # int64 [R, max blocks used]: padded with block 0
     positions: np.ndarray                # int64 [T]: position of every new token
     slot_mapping: np.ndarray             # int64 [T]: block * block_size + offset of each token
-    sample_indices: paddle.Tensor        # int64 [S]: last token of each sampling row
+    sample_indices: paddle.Tensor        # int64 [S + E]: tokens whose logits the model returns: the last
+                                         # token of each sampling row, then the ``extra_logits`` positions
     positions_tensor: paddle.Tensor      # int64 [T]: positions, for the RoPE kernels
     slots_tensor: paddle.Tensor          # int64 [T]: slot_mapping, for the C++ KV write
     row_tables: paddle.Tensor            # int64 [R, W]: block_tables, read in place by the C++ attention
@@ -82,8 +83,12 @@ def _prefill_chunks(table: np.ndarray, begin: int, start: int, num_new: int, *, 
 
 def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: int,
                              num_blocks: int, num_heads: int, num_kv_heads: int,
-                             dtype: str = "float32", gather_inputs: bool = True) -> AttentionMetadata:
+                             dtype: str = "float32", gather_inputs: bool = True,
+                             extra_logits: Mapping[int, range] | None = None) -> AttentionMetadata:
     """Build the metadata for ``rows``, already in :func:`order_rows` order.
+
+    ``extra_logits`` maps a row's index to positions of its new tokens whose logits the model
+    returns too (prompt logprobs), after the sampling rows' and in row order.
 
     Block tables, starts, lengths, positions and slots always become tensors (the C++ kernels
     read them); with ``gather_inputs``, so do the gather indices, masks, prefill chunks and
@@ -116,7 +121,10 @@ def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: in
     positions = np.arange(int(ends[-1]), dtype=np.int64) - begins[row_of_token] + starts[row_of_token]
     slot_mapping = (tables[row_of_token, positions // block_size] * block_size
                     + positions % block_size)
-    samples = np.array([ends[i] - 1 for i, row in enumerate(rows) if row.sample], np.int64)
+    samples = [np.array([ends[i] - 1 for i, row in enumerate(rows) if row.sample], np.int64)]
+    for i, extra in sorted((extra_logits or {}).items()):
+        assert starts[i] <= extra.start and extra.stop <= context[i], "extra logits outside the row"
+        samples.append(np.arange(extra.start, extra.stop, dtype=np.int64) - starts[i] + begins[i])
 
     num_decode = int(np.count_nonzero(new == 1))
     decode_index = decode_mask = write_index = None
@@ -136,7 +144,7 @@ def build_attention_metadata(rows: Sequence[ScheduledRequest], *, block_size: in
         num_tokens=int(ends[-1]), num_decode=num_decode, block_size=block_size,
         starts=starts, num_new_tokens=new, context_lens=context, block_tables=tables,
         positions=positions, slot_mapping=slot_mapping,
-        sample_indices=paddle.to_tensor(samples),
+        sample_indices=paddle.to_tensor(np.concatenate(samples)),
         positions_tensor=paddle.to_tensor(positions), slots_tensor=paddle.to_tensor(slot_mapping),
         row_tables=paddle.to_tensor(tables), row_starts=paddle.to_tensor(starts), row_lens=paddle.to_tensor(new),
         write_index=write_index, decode_index=decode_index, decode_mask=decode_mask, prefill=prefill,

@@ -23,6 +23,7 @@ from fd_core.outputs import ScheduledRequest, StepPlan, StepResult
 from fd_core.request import Request, SamplingParams
 from fd_core.runner.attention_metadata import build_attention_metadata, order_rows
 from fd_core.runner.kv_cache import allocate_kv_caches
+from fd_core.runner.sampling import token_logprobs
 
 if TYPE_CHECKING:
     from fd_core.contracts.architecture import ModelArchitecture, ModelShape
@@ -79,7 +80,8 @@ class ModelRunner:
 
     @paddle.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Compute every scheduled row and sample a token for each row with ``sample`` set.
+        """Compute every scheduled row and sample a token for each row with ``sample`` set; for rows
+        of requests that ``needs_prompt_logprobs``, the logprobs of the prompt tokens they predict.
 
         Raises ``ValueError`` (before touching the cache) when a row's positions exceed the
         model's context or its block table cannot hold them.
@@ -93,21 +95,26 @@ class ModelRunner:
                 raise ValueError(f"request {row.request.request_id!r} would hold {end} tokens, "
                                  f"beyond max_position_embeddings="
                                  f"{self.arch.max_position_embeddings}")
+        prompt_positions = {i: positions for i, row in enumerate(rows) if (positions := _prompt_positions(row))}
         attn = build_attention_metadata(rows, block_size=self.block_size,
                                         num_blocks=self.num_blocks,
                                         num_heads=self.arch.num_attention_heads,
                                         num_kv_heads=self.arch.num_key_value_heads,
-                                        dtype=self.dtype, gather_inputs=self.kernels.reads_gather_inputs)
+                                        dtype=self.dtype, gather_inputs=self.kernels.reads_gather_inputs,
+                                        extra_logits=prompt_positions)
         token_ids = np.fromiter(
             (t for row in rows
              for t in row.request.token_slice(row.start, row.start + row.num_new_tokens)),
             np.int64, attn.num_tokens)
         logits = self.model.forward(paddle.to_tensor(token_ids), attn, self.kv_caches)
         requests = [row.request for row in rows if row.sample]
-        if not requests:
-            return StepResult.make_empty()
-        sampled = self.sampler.sample(logits, requests)
         result = StepResult()
+        if prompt_positions:   # their logits follow the sampling rows' (build_attention_metadata)
+            result.prompt_logprobs = _prompt_logprobs(logits[len(requests):], rows, prompt_positions)
+            logits = logits[:len(requests)]
+        if not requests:
+            return result
+        sampled = self.sampler.sample(logits, requests)
         for request, token in zip(requests, sampled, strict=True):
             if token.error is None:
                 result.sampled[request.request_id] = token
@@ -144,6 +151,37 @@ class ModelRunner:
         """Forget finished or aborted requests' sampler state (their blocks are freed elsewhere)."""
         for request_id in request_ids:
             self.sampler.forget(request_id)
+
+
+def _prompt_positions(row: ScheduledRequest) -> range | None:
+    """Positions of ``row`` whose logits give prompt logprobs the request still needs, or None.
+
+    Position ``p`` predicts prompt token ``p + 1``, so they run up to the second-to-last prompt
+    token, from where ``request.prompt_logprobs`` ends (a recomputed chunk repeats none). A row that
+    starts past that end (its earlier positions came from a prefix cache) computes none: the core
+    then finds the request's list short and ends it with an error.
+    """
+    request = row.request
+    have = len(request.prompt_logprobs)
+    if not request.needs_prompt_logprobs or row.start > have:
+        return None
+    positions = range(have, min(row.start + row.num_new_tokens, request.num_prompt_tokens - 1))
+    return positions or None
+
+
+def _prompt_logprobs(logits: paddle.Tensor, rows: list[ScheduledRequest],
+                     positions: Mapping[int, range]) -> dict[str, list[SampledToken]]:
+    """Request id -> the logprobs of the prompt tokens at ``positions`` + 1 of each row, whose
+    float32 ``logits`` come in row order."""
+    host = np.from_dlpack(logits.cpu())   # zero-copy on CPU; read only
+    out, offset = {}, 0
+    for i, span in sorted(positions.items()):
+        request = rows[i].request
+        targets = np.asarray(request.prompt_token_ids[span.start + 1:span.stop + 1], np.int64)
+        out[request.request_id] = token_logprobs(host[offset:offset + len(span)], targets,
+                                                 [request.sampling_params.prompt_logprobs or 0] * len(span))
+        offset += len(span)
+    return out
 
 
 @contextlib.contextmanager

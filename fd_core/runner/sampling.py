@@ -347,22 +347,32 @@ class Sampler:
         """Wrap ``tokens`` in SampledTokens, adding raw-distribution logprobs where asked."""
         out = [SampledToken(int(t)) for t in tokens]
         rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
-        if not rows:
-            return out
-        sub = raw[rows]
-        m = sub.max(axis=-1, keepdims=True)
-        lse = (m + np.log(np.exp(sub - m).sum(axis=-1, keepdims=True)))[:, 0]
-        n_max = max(params[i].logprobs or 0 for i in rows)
-        if n_max:
-            vocab_size = raw.shape[-1]
-            top_ids = np.argpartition(sub, vocab_size - n_max, axis=-1)[:, vocab_size - n_max:]
-            top_vals = np.take_along_axis(sub, top_ids, axis=-1)
-            order = np.argsort(-top_vals, axis=-1, kind="stable")
-            top_ids = np.take_along_axis(top_ids, order, axis=-1)
-            top_lp = np.take_along_axis(top_vals, order, axis=-1) - lse[:, None]
-        for j, i in enumerate(rows):
-            n = params[i].logprobs or 0
-            out[i].logprob = float(sub[j, tokens[i]] - lse[j])
-            out[i].top_logprobs = ([(int(t), float(v)) for t, v in
-                                    zip(top_ids[j, :n], top_lp[j, :n], strict=True)] if n else [])
+        if rows:
+            with_logprobs = token_logprobs(raw[rows], tokens[rows], [params[i].logprobs or 0 for i in rows])
+            for i, token in zip(rows, with_logprobs, strict=True):
+                out[i] = token
         return out
+
+
+def token_logprobs(raw: np.ndarray, tokens: np.ndarray, top_n: list[int]) -> list[SampledToken]:
+    """``tokens[i]`` with its logprob under row ``i`` of the raw logits ``raw`` [R, V] (``log_softmax``
+    of the logits as the model produced them) and that row's ``top_n[i]`` best tokens, best first.
+
+    The sampler's logprobs and the runner's prompt logprobs (``SamplingParams.prompt_logprobs``) both
+    come from here.
+    """
+    m = raw.max(axis=-1, keepdims=True)
+    lse = (m + np.log(np.exp(raw - m).sum(axis=-1, keepdims=True)))[:, 0]
+    chosen = raw[np.arange(len(tokens)), tokens] - lse
+    out = [SampledToken(int(t), float(lp), []) for t, lp in zip(tokens, chosen, strict=True)]
+    n_max = max(top_n, default=0)
+    if n_max:
+        vocab_size = raw.shape[-1]
+        top_ids = np.argpartition(raw, vocab_size - n_max, axis=-1)[:, vocab_size - n_max:]
+        top_vals = np.take_along_axis(raw, top_ids, axis=-1)
+        order = np.argsort(-top_vals, axis=-1, kind="stable")
+        top_ids = np.take_along_axis(top_ids, order, axis=-1)
+        top_lp = np.take_along_axis(top_vals, order, axis=-1) - lse[:, None]
+        for token, ids, lps, n in zip(out, top_ids, top_lp, top_n, strict=True):
+            token.top_logprobs = [(int(t), float(v)) for t, v in zip(ids[:n], lps[:n], strict=True)]
+    return out

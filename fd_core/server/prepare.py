@@ -121,22 +121,24 @@ def _check_size(text: str, limits: Limits, field: str) -> None:
 def build_requests(body: _SamplingFields, prompts: list[Prompt], *, max_tokens: int | None,
                    max_tokens_field: str, logprobs: int | None, logprobs_field: str, limits: Limits,
                    eos_token_ids: tuple[int, ...], response_id: str,
-                   reasoning: ReplyReasoning | None = None) -> list[Request]:
+                   prompt_logprobs: int | None = None, reasoning: ReplyReasoning | None = None) -> list[Request]:
     """One engine request per (prompt, choice), in choice-index order. Raises RequestError.
 
+    ``prompt_logprobs`` (top-n, the body's ``logprobs_field``) asks for the prompt's logprobs too.
     ``reasoning``: the reply reasons first (the reasoning parser's ``reply_reasoning``), so the body's
     constraint applies to the answer after it."""
     if len(prompts) * body.n > MAX_CHOICES:
         raise RequestError("n", f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} choices; "
                            f"at most {MAX_CHOICES} per request")
     constraint = body.constraint()
-    renames = {"max_tokens": max_tokens_field, "logprobs": logprobs_field,
+    renames = {"max_tokens": max_tokens_field, "logprobs": logprobs_field, "prompt_logprobs": logprobs_field,
                "guided": constraint[0] if constraint else "guided"}
     guided = constraint[1] if constraint else None
     if guided is not None and reasoning is not None:
         guided = dataclasses.replace(guided, reasoning_end=reasoning.end, reasoning_start=reasoning.start)
     placeholder = max(1, body.min_tokens) if max_tokens is None else max_tokens  # replaced per prompt below
-    base = _validated(_sampling_params(body, max_tokens=placeholder, logprobs=logprobs, guided=guided), renames)
+    base = _validated(_sampling_params(body, max_tokens=placeholder, logprobs=logprobs,
+                                       prompt_logprobs=prompt_logprobs, guided=guided), renames)
     requests = []
     for p_index, prompt in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
@@ -177,7 +179,7 @@ def _check_prompt(prompt: Prompt, field: str, limits: Limits) -> None:
         raise RequestError(field, f"token id {bad} in {field} is outside the vocabulary (0..{limits.vocab_size - 1})")
 
 
-def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
                      guided: GuidedDecoding | None) -> SamplingParams:
     """The parameters of ``body`` (``max_tokens`` is replaced per prompt when it was not given)."""
     def pick(value: Any, default: Any) -> Any:
@@ -189,7 +191,8 @@ def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | 
         repetition_penalty=pick(body.repetition_penalty, 1.0), presence_penalty=pick(body.presence_penalty, 0.0),
         frequency_penalty=pick(body.frequency_penalty, 0.0), seed=body.seed, stop=body.stop_list(),
         stop_token_ids=list(body.stop_token_ids or ()), include_stop_str_in_output=body.include_stop_str_in_output,
-        ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n, guided=guided, logit_bias=body.token_biases())
+        ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=body.n, guided=guided,
+        logit_bias=body.token_biases())
 
 
 def _validated(params: SamplingParams, renames: dict[str, str]) -> SamplingParams:

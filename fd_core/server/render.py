@@ -54,8 +54,8 @@ class Renderer(ABC):
         """Chunks sent before any output (chat: the assistant role; completions: the echoed prompt)."""
 
     @abstractmethod
-    def delta_chunk(self, output: RequestOutput, usage_so_far: dict[str, int] | None) -> dict[str, Any]:
-        """The chunk for one engine delta."""
+    def delta_chunks(self, output: RequestOutput, usage_so_far: dict[str, int] | None) -> list[dict[str, Any]]:
+        """The chunks for one engine delta (its own, after any it brings on: an echoed prompt)."""
 
     @abstractmethod
     def body(self, results: list[CompletionResult]) -> dict[str, Any]:
@@ -71,7 +71,13 @@ class Renderer(ABC):
 
 
 class CompletionRenderer(Renderer):
-    """``text_completion`` objects; logprobs in the legacy shape (tokens, token_logprobs, top_logprobs, text_offset)."""
+    """``text_completion`` objects; logprobs in the legacy shape (tokens, token_logprobs, top_logprobs, text_offset).
+
+    With ``echo`` a choice's text starts with its prompt, and with logprobs too its logprobs start
+    with the prompt's (``null`` for the first prompt token, which has none). A stream sends each
+    choice's echoed prompt as a chunk of its own: before any output, or with logprobs together with
+    the prompt's, which come with the choice's first output.
+    """
 
     def __init__(self, *, echo: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -88,14 +94,19 @@ class CompletionRenderer(Renderer):
         return {"id": self.response_id, "object": "text_completion", "created": self.created, "model": self.model}
 
     def start_chunks(self) -> list[dict[str, Any]]:
-        if not self.echo:
+        if not self.echo or self.logprobs:   # with logprobs the echo waits for the prompt's (delta_chunks)
             return []
-        return [{**self._chunk_head(), "choices": [{"index": i, "text": self._echo_text(i), "logprobs": None,
-                                                    "finish_reason": None}]}
-                for i in range(self.num_choices)]
+        return [self._echo_chunk(i, None) for i in range(self.num_choices)]
 
-    def delta_chunk(self, output: RequestOutput, usage_so_far: dict[str, int] | None) -> dict[str, Any]:
+    def _echo_chunk(self, index: int, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return {**self._chunk_head(), "choices": [{"index": index, "text": self._echo_text(index), "logprobs": logprobs,
+                                                   "finish_reason": None}]}
+
+    def delta_chunks(self, output: RequestOutput, usage_so_far: dict[str, int] | None) -> list[dict[str, Any]]:
         index = self.index_of(output.request_id)
+        chunks = []
+        if self.echo and self.logprobs and output.prompt_logprobs is not None:
+            chunks.append(self._echo_chunk(index, self._prompt_logprobs(index, output.prompt_logprobs)))
         logprobs = None
         if self.logprobs:
             logprobs = self._logprobs(output.new_logprobs, self._offsets[index])
@@ -105,26 +116,44 @@ class CompletionRenderer(Renderer):
                                                     "finish_reason": reason}]}
         if usage_so_far is not None:
             chunk["usage"] = usage_so_far
-        return chunk
+        return [*chunks, chunk]
 
     def body(self, results: list[CompletionResult]) -> dict[str, Any]:
         choices = []
         for index, result in enumerate(results):
             echo = self._echo_text(index)
-            logprobs = self._logprobs(result.logprobs, len(echo)) if self.logprobs else None
+            logprobs = None
+            if self.logprobs:
+                logprobs = self._logprobs(result.logprobs, len(echo))
+                if self.echo:
+                    assert result.prompt_logprobs is not None, "asked for, they come with the first output"
+                    prompt = self._prompt_logprobs(index, result.prompt_logprobs)
+                    logprobs = {key: prompt[key] + logprobs[key] for key in prompt}
             reason = result.finish_reason.value if result.finish_reason is not None else None
             choices.append({"index": index, "text": echo + result.text, "logprobs": logprobs, "finish_reason": reason})
         return {**self._chunk_head(), "choices": choices,
                 "usage": usage(self.prompt_tokens, sum(len(r.token_ids) for r in results))}
 
+    def _prompt_logprobs(self, index: int, logprobs: list[SampledToken]) -> dict[str, Any]:
+        """The legacy logprobs of choice ``index``'s prompt: its first token has none."""
+        token_ids = self.prompt_of(index).token_ids
+        assert len(logprobs) == len(token_ids) - 1, "one prompt logprob per prompt token from the second on"
+        return self._legacy(token_ids, [None, *logprobs], 0)
+
     def _logprobs(self, tokens: list[SampledToken], offset: int) -> dict[str, Any]:
-        texts = [self.token_text(t.token_id) for t in tokens]
+        return self._legacy([t.token_id for t in tokens], tokens, offset)
+
+    def _legacy(self, token_ids: list[int], logprobs: list[SampledToken | None], offset: int) -> dict[str, Any]:
+        """``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (from ``offset``) of
+        ``token_ids``, each with its logprobs (None: ``null``)."""
+        texts = [self.token_text(t) for t in token_ids]
         offsets = []
         for text in texts:
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{self.token_text(i): lp for i, lp in t.top_logprobs or ()} for t in tokens],
+        return {"tokens": texts, "token_logprobs": [None if t is None else t.logprob for t in logprobs],
+                "top_logprobs": [None if t is None else {self.token_text(i): lp for i, lp in t.top_logprobs or ()}
+                                 for t in logprobs],
                 "text_offset": offsets}
 
 
@@ -151,7 +180,7 @@ class ChatRenderer(Renderer):
                                                     "logprobs": None, "finish_reason": None}]}
                 for i in range(self.num_choices)]
 
-    def delta_chunk(self, output: RequestOutput, usage_so_far: dict[str, int] | None) -> dict[str, Any]:
+    def delta_chunks(self, output: RequestOutput, usage_so_far: dict[str, int] | None) -> list[dict[str, Any]]:
         index = self.index_of(output.request_id)
         stream = self._streams[index]
         delta = stream.feed(output.new_text) if output.new_text else {}
@@ -166,7 +195,7 @@ class ChatRenderer(Renderer):
                                                     "logprobs": logprobs, "finish_reason": reason}]}
         if usage_so_far is not None:
             chunk["usage"] = usage_so_far
-        return chunk
+        return [chunk]
 
     def body(self, results: list[CompletionResult]) -> dict[str, Any]:
         choices = []

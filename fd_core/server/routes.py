@@ -14,6 +14,7 @@ timeout runs out is answered with 503 in the usual error shape.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import uuid
@@ -40,6 +41,7 @@ from fd_core.server.replies import AUTO, NONE, REQUIRED, ReplyShape
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
+    from fd_core.outputs import RequestOutput
     from fd_core.request import Request as EngineRequest
     from fd_core.server.drain import Drain
     from fd_core.server.engine_client import RequestStream
@@ -200,6 +202,7 @@ class _Job:
     stream: bool
     options: StreamOptions | None
     constraint_field: str | None = None   # the body field the constraint came in (the engine says "guided")
+    echo_only: bool = False               # completions' max_tokens 0 with echo: the one token made is not shown
 
     def client_error(self, exc: RequestError) -> RequestError:
         """The engine's refusal, naming the body's field where the engine names the constraint."""
@@ -207,21 +210,34 @@ class _Job:
             return exc
         return RequestError(self.constraint_field, str(exc).replace("guided:", f"{self.constraint_field}:", 1))
 
+    def shown(self, output: RequestOutput) -> RequestOutput:
+        """``output`` as the client sees it: with ``echo_only``, without the token generated (the
+        engine generates at least one), and a normal end is ``length``, as max_tokens 0 asked."""
+        if not self.echo_only:
+            return output
+        reason = FinishReason.LENGTH if output.finish_reason is FinishReason.STOP else output.finish_reason
+        return dataclasses.replace(output, new_token_ids=[], new_text="", new_logprobs=[], num_output_tokens=0,
+                                   finish_reason=reason)
+
 
 def _prepare_completion(raw: bytes, state: ServerState) -> _Job:
     """Parse and prepare a /v1/completions body (on a worker thread)."""
     limits = _limits(state)
     body = _parse(raw, CompletionRequest, state, limits)
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (it needs prompt logprobs)", "echo")
+    echo_only = body.max_tokens == 0   # vLLM's: the prompt (and with logprobs its logprobs), nothing generated
+    if echo_only and not body.echo:
+        raise bad_request("max_tokens: must be >= 1, got 0 (0 only with echo: the prompt alone)", "max_tokens")
+    if echo_only and body.min_tokens:
+        raise bad_request(f"min_tokens: must be 0 with max_tokens 0, got {body.min_tokens}", "min_tokens")
     prompts = completion_prompts(body, state.tokenizer, limits)
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = build_requests(body, prompts, max_tokens=body.max_tokens, max_tokens_field="max_tokens",
-                              logprobs=body.logprobs, logprobs_field="logprobs", limits=limits,
+    requests = build_requests(body, prompts, max_tokens=1 if echo_only else body.max_tokens,
+                              max_tokens_field="max_tokens", logprobs=body.logprobs, logprobs_field="logprobs",
+                              prompt_logprobs=body.logprobs if body.echo else None, limits=limits,
                               eos_token_ids=tuple(state.tokenizer.eos_token_ids), response_id=response_id)
     renderer = CompletionRenderer(response_id=response_id, model=state.model_name, tokenizer=state.tokenizer,
                                   prompts=prompts, n=body.n, logprobs=body.logprobs is not None, echo=body.echo)
-    return _Job(requests, renderer, body.stream, body.stream_options, _constraint_field(body))
+    return _Job(requests, renderer, body.stream, body.stream_options, _constraint_field(body), echo_only)
 
 
 def _constraint_field(body: CompletionRequest | ChatCompletionRequest) -> str | None:
@@ -301,9 +317,9 @@ async def _generate(request: Request, prepare: Callable[[bytes, ServerState], _J
                     state.release()
 
                 streaming = True
-                return _EventStream(_events(outputs, job.renderer, job.options, state.drain), on_close=on_close)
+                return _EventStream(_events(outputs, job, state.drain), on_close=on_close)
             try:
-                results = await _collect_while_connected(request, outputs, job.requests)
+                results = await _collect_while_connected(request, outputs, job)
             finally:
                 outputs.close()
     finally:
@@ -319,9 +335,9 @@ async def _generate(request: Request, prepare: Callable[[bytes, ServerState], _J
 
 
 async def _collect_while_connected(request: Request, outputs: RequestStream,
-                                   requests: list[EngineRequest]) -> list[CompletionResult] | None:
+                                   job: _Job) -> list[CompletionResult] | None:
     """Every choice's result, or None when the client went away first."""
-    task = asyncio.ensure_future(_collect(outputs, requests))
+    task = asyncio.ensure_future(_collect(outputs, job))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -333,11 +349,11 @@ async def _collect_while_connected(request: Request, outputs: RequestStream,
         task.cancel()
 
 
-async def _collect(outputs: RequestStream, requests: list[EngineRequest]) -> list[CompletionResult]:
-    results = {r.request_id: CompletionResult(r.request_id, r.prompt, r.prompt_token_ids) for r in requests}
+async def _collect(outputs: RequestStream, job: _Job) -> list[CompletionResult]:
+    results = {r.request_id: CompletionResult(r.request_id, r.prompt, r.prompt_token_ids) for r in job.requests}
     async for output in outputs:
-        results[output.request_id].add(output)
-    return [results[r.request_id] for r in requests]
+        results[output.request_id].add(job.shown(output))
+    return [results[r.request_id] for r in job.requests]
 
 
 class _EventStream(StreamingResponse):
@@ -358,27 +374,29 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-async def _events(outputs: RequestStream, renderer: Renderer, options: StreamOptions | None,
-                  drain: Drain) -> AsyncIterator[bytes]:
-    """The SSE body: start chunks, one chunk per delta, the usage chunk, ``[DONE]``.
+async def _events(outputs: RequestStream, job: _Job, drain: Drain) -> AsyncIterator[bytes]:
+    """The SSE body: start chunks, the chunks of each delta, the usage chunk, ``[DONE]``.
 
     An error (engine died, request failed, shutdown timeout) becomes an error event before ``[DONE]``.
     Cancellation (client gone) aborts the unfinished requests through ``outputs.close()``.
     """
+    renderer, options = job.renderer, job.options
     include_usage = options is not None and options.include_usage
     continuous = options is not None and options.continuous_usage_stats
     completion_tokens: dict[str, int] = {}
     try:
         for chunk in renderer.start_chunks():
             yield sse.event(chunk)
-        async for output in drain.iterate(outputs):
+        async for engine_output in drain.iterate(outputs):
+            output = job.shown(engine_output)
             if output.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 message = f"the engine could not complete the request: {output.error or 'aborted'}"
                 yield sse.event(ApiError(500, message, type="server_error").body())
                 break
             completion_tokens[output.request_id] = output.num_output_tokens
             so_far = usage(renderer.prompt_tokens, sum(completion_tokens.values())) if continuous else None
-            yield sse.event(renderer.delta_chunk(output, so_far))
+            for chunk in renderer.delta_chunks(output, so_far):
+                yield sse.event(chunk)
         else:
             if include_usage:
                 yield sse.event(renderer.usage_chunk(sum(completion_tokens.values())))

@@ -26,9 +26,11 @@ run the same code; a constraint is ``[kind, spec, reasoning_end, reasoning_start
 is ``Request.priority``. ADD also carries requests between
 instances: the ``global`` scheduler stores it in Redis, the splitwise hand-off sends it to the
 prefill instance. An output is ``[request_id, new_token_ids, new_text, logprobs, finished,
-finish_reason, num_prompt_tokens, num_output_tokens, num_cached_tokens, error, metrics]``
-with ``logprobs`` a list of ``[token_id, logprob, [[id, logprob], ...] | None]`` and
-``metrics`` ``[arrival_time, queue_time, ttft, tpot, e2e]`` or None.
+finish_reason, num_prompt_tokens, num_output_tokens, num_cached_tokens, error, metrics,
+prompt_logprobs]`` with ``logprobs`` a list of tokens (:func:`token_values`: ``[token_id, logprob,
+[[id, logprob], ...] | None]``), ``metrics`` ``[arrival_time, queue_time, ttft, tpot, e2e]`` or
+None, and ``prompt_logprobs`` a list of tokens or None (an instance of an earlier version sends
+no ``prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -107,22 +109,35 @@ def decode_request(message: list[Any]) -> Request:
                    priority=priority, output_token_ids=list(output_token_ids))
 
 
+def token_values(token: SampledToken) -> list[Any]:
+    """A sampled token (its logprobs, no error) as msgpack types: ``[token_id, logprob, top | None]``."""
+    top = token.top_logprobs
+    return [token.token_id, token.logprob, None if top is None else [list(pair) for pair in top]]
+
+
+def sampled_token(values: list[Any]) -> SampledToken:
+    """The token :func:`token_values` wrote."""
+    token_id, logprob, top = values
+    return SampledToken(token_id, logprob, None if top is None else [(i, p) for i, p in top])
+
+
 def encode_output(o: RequestOutput) -> list[Any]:
-    logprobs = [[t.token_id, t.logprob, [list(p) for p in t.top_logprobs] if t.top_logprobs is not None else None]
-                for t in o.new_logprobs]
     m = o.metrics
     metrics = None if m is None else [m.arrival_time, m.queue_time, m.ttft, m.tpot, m.e2e]
     reason = None if o.finish_reason is None else o.finish_reason.value
-    return [o.request_id, o.new_token_ids, o.new_text, logprobs, o.finished, reason, o.num_prompt_tokens,
-            o.num_output_tokens, o.num_cached_tokens, o.error, metrics]
+    prompt_logprobs = None if o.prompt_logprobs is None else [token_values(t) for t in o.prompt_logprobs]
+    return [o.request_id, o.new_token_ids, o.new_text, [token_values(t) for t in o.new_logprobs], o.finished, reason,
+            o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, o.error, metrics, prompt_logprobs]
 
 
 def decode_output(item: list[Any]) -> RequestOutput:
-    (request_id, token_ids, text, logprobs, finished, reason, n_prompt, n_output, n_cached, error, metrics) = item
+    (request_id, token_ids, text, logprobs, finished, reason, n_prompt, n_output, n_cached, error, metrics,
+     *later) = item
+    prompt_logprobs = later[0] if later else None
     return RequestOutput(
         request_id=request_id, new_token_ids=token_ids, new_text=text,
-        new_logprobs=[SampledToken(tid, lp, None if top is None else [(i, p) for i, p in top])
-                      for tid, lp, top in logprobs],
+        new_logprobs=[sampled_token(t) for t in logprobs],
         finished=finished, finish_reason=None if reason is None else FinishReason(reason),
         num_prompt_tokens=n_prompt, num_output_tokens=n_output, num_cached_tokens=n_cached, error=error,
-        metrics=None if metrics is None else RequestMetrics(*metrics))
+        metrics=None if metrics is None else RequestMetrics(*metrics),
+        prompt_logprobs=None if prompt_logprobs is None else [sampled_token(t) for t in prompt_logprobs])

@@ -228,11 +228,14 @@ class DecodeSide(LinkedSide):
                                   f"{len(transfer.blocks)} blocks arrived before its DONE")
             return
         self._send(transfer.peer.address, protocol.ACK, id=request_id, attempt=transfer.attempt)
-        token_id, logprob, top = message["token"]
-        token = SampledToken(token_id, logprob, None if top is None else [tuple(pair) for pair in top])
+        token = wire.sampled_token(message["token"])
+        # the prompt logprobs the request asks for, if any (an instance of an earlier version sends
+        # none: the core then finds them incomplete and ends the request with an error)
+        prompt_logprobs = [wire.sampled_token(t) for t in message.get("prompt_logprobs") or ()]
         with self._lock:
             if self._transfers.pop(request_id, None) is None:
                 return   # cancelled meanwhile: the ACK lets the prefill side free its blocks anyway
+            transfer.request.prompt_logprobs = prompt_logprobs
             self._arrived.append((transfer.request, token))
             now = time.monotonic()
             self._counters["transfers_done"] += 1

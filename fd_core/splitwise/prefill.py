@@ -4,6 +4,7 @@ See :mod:`fd_core.splitwise` for the protocol. Requests from decode instances qu
 arrival order, at most ``max_queued``) until the engine has room; the engine computes them like
 any prompt; in the step that completes the prompt this side ships every block of it, then the
 first token, taking that out of the step's result so that the token processor never sees it.
+The prompt logprobs a request asks for go with the first token.
 The request then holds its blocks (it has nothing left to compute) until the decode side
 confirms or gives up, or goes silent for ``splitwise.stall_timeout_s``.
 """
@@ -87,10 +88,11 @@ class PrefillSide(LinkedSide):
             prompt_blocks = row.block_table[:-(-row.request.num_prompt_tokens // self.block_size)]
             for index, block_id in enumerate(prompt_blocks):
                 self._link.call(lambda j=job, i=index, b=block_id: self._ship(j, i, b))
-            token = result.sampled.pop(request_id)
-            fields = protocol.token_fields(token.token_id, token.logprob, token.top_logprobs)
+            token = wire.token_values(result.sampled.pop(request_id))
+            prompt_logprobs = ([wire.token_values(t) for t in row.request.prompt_logprobs]
+                               if row.request.needs_prompt_logprobs else None)
             num_blocks = len(prompt_blocks)
-            self._link.call(lambda j=job, n=num_blocks, t=fields: self._send_done(j, n, t))
+            self._link.call(lambda j=job, n=num_blocks, t=token, p=prompt_logprobs: self._send_done(j, n, t, p))
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._shipping
@@ -206,13 +208,13 @@ class PrefillSide(LinkedSide):
         else:
             self._give_up(job, f"block {index} was not taken by the connector (the decode side's queue is full)")
 
-    def _send_done(self, job: _Job, num_blocks: int, token: list[object]) -> None:
+    def _send_done(self, job: _Job, num_blocks: int, token: list[Any], prompt_logprobs: list[list[Any]] | None) -> None:
         """Send DONE once every block went; from then on ALIVE says so, which lets the decode side
         tell a DONE lost on the way from one not sent yet."""
         if not self._is_open(job):
             return
         if not self._send(job.origin, protocol.DONE, id=job.remote_id, attempt=job.attempt, blocks=num_blocks,
-                          token=token):
+                          token=token, prompt_logprobs=prompt_logprobs):
             self._give_up(job, "DONE was not taken by the connector (the decode side's queue is full)")
             return
         with self._lock:

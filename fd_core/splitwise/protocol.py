@@ -12,6 +12,7 @@ from typing import Final
 PREFILL: Final = "prefill"   # decode -> prefill: id, attempt, request (wire.encode_request), layout
 BLOCK: Final = "block"       # prefill -> decode: id, attempt, index (position in the request's table); buffers
 DONE: Final = "done"         # prefill -> decode: id, attempt, blocks (how many were shipped), token
+#                              (wire.token_values), prompt_logprobs (a list of those, or None when not asked)
 ACK: Final = "ack"           # decode -> prefill: id, attempt
 ABORT: Final = "abort"       # either way: id, attempt, reason
 FLUSH: Final = "flush"       # either way, from an instance shutting down after its ABORTs: answer FLUSHED
@@ -20,7 +21,3 @@ ALIVE: Final = "alive"       # decode -> prefill: open [[id, attempt], ...];
 #                              prefill -> decode: open [[id, attempt, done_sent], ...] (done_sent: every
 #                              BLOCK and the DONE went, so a DONE that has not arrived was lost)
 
-
-def token_fields(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> list[object]:
-    """A sampled token as plain data (``DONE``'s ``token``)."""
-    return [token_id, logprob, None if top is None else [list(pair) for pair in top]]

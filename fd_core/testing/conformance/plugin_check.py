@@ -11,7 +11,7 @@ from fd_core.testing.conformance._report import SeamReport
 __all__ = ["check_names", "run_plugin_checks"]
 
 #: The resource manager kit's rows (see run_resource_manager_checks).
-_RESOURCE_MANAGER_ROWS: Final = ("tiny_pool", "no_prefix_caching", "strict_budget")
+_RESOURCE_MANAGER_ROWS: Final = ("tiny_pool", "no_prefix_caching", "strict_budget", "prompt_logprobs")
 
 
 def check_names(seam: str) -> list[str]:

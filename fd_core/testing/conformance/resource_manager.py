@@ -55,6 +55,7 @@ BUDGETS = "steps stay within max_num_seqs and max_num_batched_tokens"
 ROWS = "each row is one live RUNNING request computing >= 1 token"
 ADVANCES = "schedule advances num_computed_tokens by the planned tokens"
 CONTINUES = "rows continue where the request's last row ended"
+PROMPT_LOGPROBS = "a request that needs prompt logprobs computes its whole prompt"
 TABLES = "block tables are valid and only grow at their end"
 SHARING = "blocks are shared only through prefix caching"
 NO_LEAKS = "no block leaks or double frees"
@@ -98,7 +99,7 @@ def check_resource_manager(
     limits: KVLimits = DEFAULT_LIMITS, max_prompt_len: int | None = None, max_new_tokens: int = 12,
     arrival_spread: int | None = None, abort_prob: float = 0.03, stop_prob: float = 0.02,
     shared_prefix_prob: float = 0.6, vocab_size: int = 50, max_steps: int | None = None,
-    allow_lone_oversized_prompt: bool = False,
+    allow_lone_oversized_prompt: bool = False, prompt_logprobs_every: int = 0,
 ) -> ConformanceReport:
     """Drive ``factory(limits)`` through a seeded trace until it drains; check every step.
 
@@ -109,7 +110,9 @@ def check_resource_manager(
       only row computes a whole prompt longer than the budget (managers without chunked prefill);
     * every row: ``num_new_tokens >= 1``, one row per request, the request is RUNNING, ``start`` is
       where the request's previous row ended (a newly admitted one starts at 0 or, with prefix
-      caching, at a block boundary before its last token), ``num_computed_tokens`` was advanced to
+      caching, at a block boundary before its last token; a request whose ``needs_prompt_logprobs``
+      is true always at 0: every ``prompt_logprobs_every``-th request of the trace asks for prompt
+      logprobs, none with 0), ``num_computed_tokens`` was advanced to
       ``start + num_new_tokens``, ``sample`` is set exactly when that reaches ``num_tokens``;
     * block tables: ids are in range and distinct, cover ``start + num_new_tokens`` tokens, and a
       running request's table only grows at its end;
@@ -126,7 +129,7 @@ def check_resource_manager(
     """
     rng = random.Random(seed)
     traces = _make_traces(rng, limits, num_requests, max_prompt_len, max_new_tokens,
-                          arrival_spread, shared_prefix_prob, vocab_size)
+                          arrival_spread, shared_prefix_prob, vocab_size, prompt_logprobs_every)
     manager = factory(limits)
     if max_steps is None:
         total = sum(t.request.num_prompt_tokens + t.request.sampling_params.max_tokens for t in traces)
@@ -177,13 +180,15 @@ _STRICT_LIMITS = KVLimits(num_blocks=24, block_size=4, max_num_seqs=6, max_num_b
 def run_resource_manager_checks(factory: Callable[[KVLimits], ResourceManager], *,
                                 supports_prefix_caching: bool = True, seed: int = 0,
                                 skip: Collection[str] = (), plugin: str | None = None) -> SeamReport:
-    """:func:`check_resource_manager` on three traces, one report row each, without raising.
+    """:func:`check_resource_manager` on four traces, one report row each, without raising.
 
     * ``tiny_pool``: :data:`DEFAULT_LIMITS` (prefix caching on when ``supports_prefix_caching``),
       where preemption and eviction happen often; a lone whole prompt over the token budget is
       allowed, as the contract allows it to managers without chunked prefill;
     * ``no_prefix_caching``: the same pool with prefix caching off, so no block may be shared;
-    * ``strict_budget``: a budget no prompt exceeds, so every step must stay within it.
+    * ``strict_budget``: a budget no prompt exceeds, so every step must stay within it;
+    * ``prompt_logprobs``: ``tiny_pool`` where every third request asks for prompt logprobs, so
+      it may take no prefix-cache hits.
     """
     tiny = dataclasses.replace(DEFAULT_LIMITS, enable_prefix_caching=supports_prefix_caching)
     runs: dict[str, dict[str, Any]] = {
@@ -191,6 +196,7 @@ def run_resource_manager_checks(factory: Callable[[KVLimits], ResourceManager], 
         "no_prefix_caching": {"limits": dataclasses.replace(tiny, enable_prefix_caching=False),
                               "allow_lone_oversized_prompt": True},
         "strict_budget": {"limits": _STRICT_LIMITS},
+        "prompt_logprobs": {"limits": tiny, "allow_lone_oversized_prompt": True, "prompt_logprobs_every": 3},
     }
 
     def trace(options: dict[str, Any]) -> Callable[[], None]:
@@ -204,7 +210,7 @@ def run_resource_manager_checks(factory: Callable[[KVLimits], ResourceManager], 
 
 def _make_traces(rng: random.Random, limits: KVLimits, num_requests: int, max_prompt_len: int | None,
                  max_new_tokens: int, arrival_spread: int | None, shared_prefix_prob: float,
-                 vocab_size: int) -> list[_Trace]:
+                 vocab_size: int, prompt_logprobs_every: int) -> list[_Trace]:
     """Requests the engine would accept: ``prompt + max_tokens`` fits max_model_len and the pool."""
     longest = min(limits.max_model_len, limits.num_blocks * limits.block_size)
     if longest < 2:
@@ -218,7 +224,9 @@ def _make_traces(rng: random.Random, limits: KVLimits, num_requests: int, max_pr
         length = rng.randint(1, min(prompt_cap, longest - max_tokens))
         prompt = rng.choice(prefixes)[:length] if rng.random() < shared_prefix_prob else []
         prompt += [rng.randrange(vocab_size) for _ in range(length - len(prompt))]
-        request = Request(f"req-{i}", prompt, SamplingParams(max_tokens=max_tokens), arrival_time=float(i))
+        scored = prompt_logprobs_every and i % prompt_logprobs_every == 0
+        params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=0 if scored else None)
+        request = Request(f"req-{i}", prompt, params, arrival_time=float(i))
         traces.append(_Trace(rng.randint(0, spread), request))
     traces.sort(key=lambda t: t.arrival_step)
     return traces
@@ -343,6 +351,9 @@ class _Simulation:
                 self.fail(f"{rid}: row starts at {start}, its previous row ended at {self.computed[rid]}", CONTINUES)
             if table[:len(old)] != old:
                 self.fail(f"{rid}: block table {table} does not extend its previous table {old}", TABLES)
+        elif start != 0 and request.needs_prompt_logprobs:
+            self.fail(f"{rid}: newly admitted at start {start}, but it needs prompt logprobs (no prefix-cache hits)",
+                      PROMPT_LOGPROBS)
         elif start != 0 and not (self.limits.enable_prefix_caching and start % bs == 0 and start < request.num_tokens):
             self.fail(f"{rid}: newly admitted at start {start}, not 0 or a cached block boundary", CONTINUES)
         if len(table) * bs < end:

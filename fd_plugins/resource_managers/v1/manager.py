@@ -20,7 +20,8 @@ request one token behind.
    ``max_num_seqs`` run, calls taking turns: next is the first waiting request of the calls
    running the fewest requests (FIFO when every request is a call of its own), so that the
    preempted choices of a large-``n`` call do not stay ahead of another call's request (issue 41
-   item 20). Prefix-cache hits first, then the rest is chunked as above. With
+   item 20). Prefix-cache hits first (none for a request that needs prompt logprobs: it computes
+   every prompt position), then the rest is chunked as above. With
    chunked prefill off, a prompt that does not fit the budget left waits (and, FCFS, so does
    everyone behind it) — unless it is longer than the whole budget, in which case it is chunked
    anyway since it could never run otherwise. The first request whose blocks do not fit stops
@@ -167,7 +168,7 @@ class V1ResourceManager(QueuedBlockManager):
                     break
                 budget += refund
                 continue   # the victim's blocks are free (some may be hits): look at the request again
-            if self.prefix_cache is not None:
+            if self._looks_up(request):
                 self._cache_queries += request.num_tokens
                 self._cache_hits += num_cached
             self.pool.touch(hits)
@@ -243,9 +244,15 @@ class V1ResourceManager(QueuedBlockManager):
 
     # --- prefix caching ----------------------------------------------------------------------
 
+    def _looks_up(self, request: Request) -> bool:
+        """Whether ``request`` may start from prefix-cache hits. One that needs prompt logprobs
+        computes every prompt position (its full blocks are still cached for others)."""
+        return self.prefix_cache is not None and not request.needs_prompt_logprobs
+
     def _cache_hits_for(self, request: Request) -> list[KVBlock]:
-        if self.prefix_cache is None:
+        if not self._looks_up(request):
             return []
+        assert self.prefix_cache is not None
         return self.prefix_cache.match(request, self._hashes.setdefault(request.request_id, []))
 
     def _cache_full_blocks(self, request: Request) -> None:

@@ -131,3 +131,70 @@ def test_the_readme_curl_example_works_as_written(server):
     answer = json.loads(result.stdout)
     assert answer["choices"][0]["message"]["content"].startswith("The capital of France is Paris")
     assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+def _legacy_lists(logprobs) -> tuple[list, list, list, list]:
+    return logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, logprobs.text_offset
+
+
+def test_echo_with_logprobs_scores_the_prompt_whole_and_streamed(client, tokenizer):
+    prompt_ids = tokenizer.encode(PROMPT)
+    n = len(prompt_ids)
+    args = {"model": DEFAULT_MODEL, "prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 3, "temperature": 0}
+    choice = client.completions.create(**args).choices[0]
+    tokens, values, tops, offsets = _legacy_lists(choice.logprobs)
+    assert choice.text.startswith(PROMPT) and len(tokens) == len(values) == len(tops) == len(offsets) == n + 3
+    assert tokens[:n] == [tokenizer.decode([t], skip_special_tokens=False) for t in prompt_ids]
+    assert values[0] is None and tops[0] is None   # the first token has nothing before it
+    assert all(v <= 0 for v in values[1:]) and all(len(top) == 2 for top in tops[1:])
+    assert offsets[0] == 0 and offsets[n] == len(PROMPT) and offsets == sorted(offsets)
+
+    chunks = list(client.completions.create(**args, stream=True))
+    echo = chunks[0].choices[0]   # the echoed prompt comes first, with the prompt's logprobs
+    assert echo.text == PROMPT and echo.logprobs.tokens == tokens[:n]
+    streamed = [sum((list(part) for part in parts), []) for parts in
+                zip(*(_legacy_lists(c.choices[0].logprobs) for c in chunks), strict=True)]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert streamed[0] == tokens and streamed[2] == tops and streamed[3] == offsets
+    assert streamed[1][0] is None and streamed[1][1:] == pytest.approx(values[1:], abs=1e-5)
+
+
+def test_the_prompt_logprobs_of_a_greedy_continuation_are_the_logprobs_it_was_generated_with(client, tokenizer):
+    """Echo the prompt extended by its greedy continuation, generating nothing (max_tokens 0): the
+    continuation's prompt logprobs equal the logprobs its tokens had when generated, and each is the
+    best of its position; the prompt's part equals the prompt's own."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    n = len(prompt_ids)
+    generated = client.completions.create(model=DEFAULT_MODEL, prompt=prompt_ids, max_tokens=4, temperature=0,
+                                          logprobs=1).choices[0]
+    pieces = [tokenizer.encode(text) for text in generated.logprobs.tokens]   # each token's text is that token
+    assert all(len(piece) == 1 for piece in pieces), pieces
+    extended = prompt_ids + [piece[0] for piece in pieces]
+    echo = client.completions.create(model=DEFAULT_MODEL, prompt=extended, echo=True, logprobs=1, max_tokens=0)
+    tokens, values, tops, _ = _legacy_lists(echo.choices[0].logprobs)
+    assert echo.choices[0].text == tokenizer.decode(extended) and echo.choices[0].finish_reason == "length"
+    assert echo.usage.completion_tokens == 0 and echo.usage.prompt_tokens == n + 4 and len(values) == n + 4
+    assert values[n:] == pytest.approx(generated.logprobs.token_logprobs, abs=1e-3)
+    assert sum(values[n:]) == pytest.approx(sum(generated.logprobs.token_logprobs), abs=2e-3)
+    assert all(max(top, key=top.get) == token for top, token in zip(tops[n:], tokens[n:], strict=True))
+    alone = client.completions.create(model=DEFAULT_MODEL, prompt=prompt_ids, echo=True, logprobs=1, max_tokens=0)
+    assert alone.choices[0].logprobs.token_logprobs[1:] == pytest.approx(values[1:n], abs=1e-3)
+
+
+def test_max_tokens_0_echoes_the_prompt_alone_and_bad_combinations_name_their_field(client, tokenizer):
+    chunks = list(client.completions.create(model=DEFAULT_MODEL, prompt=PROMPT, echo=True, max_tokens=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    prompts = [tokenizer.encode(PROMPT), tokenizer.encode("Hello there")]   # token ids, two prompts
+    batch = client.completions.create(model=DEFAULT_MODEL, prompt=prompts, echo=True, logprobs=0, max_tokens=0)
+    for choice, prompt in zip(batch.choices, prompts, strict=True):
+        assert choice.text == tokenizer.decode(prompt) and len(choice.logprobs.token_logprobs) == len(prompt)
+        assert choice.logprobs.top_logprobs[1:] == [{}] * (len(prompt) - 1)
+    for args, field in (({"max_tokens": 0}, "max_tokens"),
+                        ({"echo": True, "logprobs": 21, "max_tokens": 0}, "logprobs"),
+                        ({"echo": True, "max_tokens": 0, "extra_body": {"min_tokens": 1}}, "min_tokens")):
+        with pytest.raises(openai.BadRequestError, match=field) as info:
+            client.completions.create(model=DEFAULT_MODEL, prompt=PROMPT, **args)
+        assert info.value.param == field

@@ -14,6 +14,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
+from fd_core.outputs import RequestOutput, SampledToken
 from fd_core.request import GuidedDecoding, Request, SamplingParams
 from fd_core.server import wire
 from fd_core.server.prepare import Limits, Prompt, build_requests
@@ -346,6 +347,15 @@ def test_the_wire_carries_a_constraint_with_its_reasoning_tags():
                    GuidedDecoding("choice", '["a"]', reasoning_end="</think>", reasoning_start="<think>")):
         message = wire.unpack(wire.pack(wire.encode_request(Request("r", [5], SamplingParams(guided=guided)))))
         assert wire.decode_request(message).sampling_params.guided == guided
+
+
+def test_the_wire_carries_an_output_s_prompt_logprobs():
+    output = RequestOutput("r-1", [9], "x", [SampledToken(9, -0.5, [(9, -0.5)])],
+                           prompt_logprobs=[SampledToken(6, -1.25, [(7, -0.25)]), SampledToken(8, -3.0, [])])
+    assert wire.decode_output(wire.unpack(wire.pack(wire.encode_output(output)))) == output
+    assert wire.decode_output(wire.encode_output(RequestOutput("r-2"))).prompt_logprobs is None
+    earlier_version = wire.encode_output(output)[:-1]   # sends no prompt_logprobs
+    assert wire.decode_output(earlier_version).prompt_logprobs is None
 
 
 def test_the_wire_docstring_names_every_item_of_an_add():

@@ -89,15 +89,21 @@ def test_a_prefill_decode_pair_answers_like_one_mixed_engine(tiny_model, redis, 
             texts = list(workers.map(complete, range(len(PROMPTS))))
             streamed = list(workers.map(stream, range(len(PROMPTS))))
         assert texts == reference and streamed == reference
+        # prompt logprobs come from the prefill instance with the first token
+        scored = client.completions.create(model=model, prompt=[5, 17, 42, 99, 7], max_tokens=2, temperature=0,
+                                           echo=True, logprobs=1, extra_body={"ignore_eos": True}).choices[0]
+        values = scored.logprobs.token_logprobs
+        assert len(values) == 5 + 2 and values[0] is None and all(v <= 0 for v in values[1:])
         wait_blocks_free(prefill, decode)
         on_decode, on_prefill = metrics(decode.url), metrics(prefill.url)
-        assert metric(on_decode, "fd_splitwise_transfers_done_total") == 2 * len(PROMPTS)
-        assert metric(on_prefill, "fd_splitwise_jobs_done_total") == 2 * len(PROMPTS)
+        assert metric(on_decode, "fd_splitwise_transfers_done_total") == 2 * len(PROMPTS) + 1
+        assert metric(on_prefill, "fd_splitwise_jobs_done_total") == 2 * len(PROMPTS) + 1
         assert metric(on_prefill, "fd_splitwise_connector_bytes_sent_total") > 0
         assert metric(on_decode, "fd_prompt_tokens_total") == 0   # no prompt computed on the decode side
         # every request went to the decode instance (a stream is counted once it ended), none to the prefill one
+        num_requests = 2 * len(PROMPTS) + 1
         _wait_for(lambda: metric(metrics(router.url), "fd_router_requests_total",
-                                 f'{{backend="{decode.url}",outcome="ok"}}') >= 2 * len(PROMPTS), "the router's count")
+                                 f'{{backend="{decode.url}",outcome="ok"}}') >= num_requests, "the router's count")
         on_router = metrics(router.url)
         assert metric(on_router, "fd_router_requests_total", f'{{backend="{prefill.url}",outcome="ok"}}') == 0
     finally:

@@ -12,7 +12,9 @@ import redis
 
 from fd_core.config import load_config
 from fd_core.engine.builder import build_engine
+from fd_core.outputs import SampledToken
 from fd_core.request import Request, SamplingParams
+from fd_core.server import wire
 from fd_core.splitwise import protocol
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 31] * 3, [11, 12, 13], list(range(40, 90))]
@@ -59,7 +61,8 @@ def pair(request, tiny_model_dir, redis_server):
 def test_prefill_then_decode_gives_the_mixed_engine_output(tiny_model_dir, pair, logprobs):
     prefill, decode = pair
     mixed = build_engine(_config(tiny_model_dir, None, "mixed"))
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=logprobs,
+                            prompt_logprobs=logprobs)
     want = _run_all([mixed], [Request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)], mixed)
     got = _run_all([prefill, decode], [Request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)], decode)
     for request_id, outputs in want.items():
@@ -67,6 +70,15 @@ def test_prefill_then_decode_gives_the_mixed_engine_output(tiny_model_dir, pair,
         assert "".join(o.new_text for o in got[request_id]) == "".join(o.new_text for o in outputs)
         assert [t.token_id for o in got[request_id] for t in o.new_logprobs] == \
             [t.token_id for o in outputs for t in o.new_logprobs]
+        # the prompt logprobs come from the prefill instance, with the first token
+        assert [o.prompt_logprobs is not None for o in got[request_id]] == [o.prompt_logprobs is not None
+                                                                            for o in outputs]
+        if logprobs is not None:
+            prompt, expected = got[request_id][0].prompt_logprobs, outputs[0].prompt_logprobs
+            assert [(t.token_id, [i for i, _ in t.top_logprobs]) for t in prompt] == \
+                [(t.token_id, [i for i, _ in t.top_logprobs]) for t in expected]
+            assert [t.logprob for t in prompt] == pytest.approx([t.logprob for t in expected], abs=1e-4)
+            assert len(prompt) == len(PROMPTS[int(request_id[1:])]) - 1
     deadline = time.monotonic() + 5
     while prefill.resource_manager.num_free_blocks() < prefill.limits.num_blocks and time.monotonic() < deadline:
         prefill.step()   # the ACKs free the prefill side's blocks
@@ -366,7 +378,7 @@ def test_messages_about_a_hand_off_from_another_instance_change_nothing(tiny_mod
             assert forger.send(target, {"kind": protocol.BLOCK, **key, "index": index}, forged)
         wrong_first = (want[0].new_token_ids[0] + 1) % 512
         for message in ({"kind": protocol.DONE, **key, "blocks": num_blocks,
-                         "token": protocol.token_fields(wrong_first, None, None)},
+                         "token": wire.token_values(SampledToken(wrong_first))},
                         {"kind": protocol.ABORT, **key, "reason": "forged"},
                         {"kind": protocol.ALIVE, "open": [["r", 1, True]]},   # "its DONE was lost": ask again
                         {"kind": protocol.FLUSH}):
