@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import paddle
@@ -322,3 +323,19 @@ def test_cpp_kv_write_into_an_int8_cache_stores_codes_and_row_scales(cpp) -> Non
         step = np.abs(values).max(axis=-1, keepdims=True) / 127
         assert (np.abs(stored - values) <= 0.5 * step * (1 + 1e-5)).all()
         assert (values != 0).any()
+
+
+def test_a_later_start_loads_the_built_library_without_starting_paddle_s_build(cpp) -> None:
+    """With the ``built`` marker in place, a new process gets the ops even where Paddle's ``load``
+    (which starts a build process every time) would fail."""
+    folder = native.cache_dir(native.isa_flags(CpuPlatform().capabilities))
+    assert (folder / "built").exists()
+    program = ("import paddle.utils.cpp_extension as ext\n"
+               "def refuse(*args, **kwargs): raise RuntimeError('load() was called')\n"
+               "ext.load = refuse\n"
+               "from fd_kernels import native\n"
+               "from fd_plugins.platforms.cpu import CpuPlatform\n"
+               "ops = native.load_native(CpuPlatform().capabilities)\n"
+               "print(callable(ops.fd_paged_attention))\n")
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-2000:]
