@@ -32,10 +32,10 @@ import numpy as np
 from fd_core.contracts.architecture import ArchitectureConfigError
 from fd_core.errors import ModelLoadError
 from fd_core.model.architectures import ArchitecturePlugins
+from fd_core.model.gguf_file import GgufTensor, read_gguf
 from fd_kernels.quantized import GGUF_BLOCK_TYPES, BlockQuantized, from_gguf_blocks
 
 if TYPE_CHECKING:
-    import gguf
 
     from fd_core.contracts.architecture import ModelShape
 
@@ -99,14 +99,12 @@ def load_gguf(path: str | Path, *, keep_quantized: bool = False, plugins: Archit
     3-D one) of a type in :data:`KEPT_TENSOR_TYPES` are returned as :class:`BlockQuantized` (the
     rest, and MoE routers, as float32).
     """
-    import gguf
-
     path = Path(path)
     try:
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
-    metadata = {key: field.contents() for key, field in reader.fields.items()}
+    metadata = reader.metadata
     architecture = str(metadata.get("general.architecture"))
     plugin = (plugins or ArchitecturePlugins()).for_gguf(architecture, str(path))
     permuted = architecture in PERMUTED_ARCHITECTURES
@@ -170,7 +168,7 @@ def _hf_name(path: Path, name: str, parts: Mapping[str, str]) -> str:
     raise ModelLoadError(f"{path}: tensor {name!r} is not part of a model this loader knows")
 
 
-def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+def _dequantize(tensor: GgufTensor) -> np.ndarray:
     """Float32 array in numpy (row-major) order, i.e. the GGUF ``ne`` shape reversed."""
     import gguf
 
@@ -180,12 +178,12 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     )
 
 
-def _kept(tensor: gguf.ReaderTensor) -> BlockQuantized:
+def _kept(tensor: GgufTensor) -> BlockQuantized:
     cols, rows = (int(n) for n in tensor.shape)
     return from_gguf_blocks(tensor.tensor_type.name, np.asarray(tensor.data), (rows, cols))
 
 
-def _kept_experts(tensor: gguf.ReaderTensor) -> list[BlockQuantized]:
+def _kept_experts(tensor: GgufTensor) -> list[BlockQuantized]:
     """Each expert's matrix of a merged-experts (3-D) tensor, in its blocks."""
     cols, rows, experts = (int(n) for n in tensor.shape)
     return [from_gguf_blocks(tensor.tensor_type.name, data, (rows, cols))

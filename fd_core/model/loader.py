@@ -145,11 +145,11 @@ def load_tokenizer(source: str = DEFAULT_MODEL_ALIAS) -> Tokenizer:
 
 
 def _gguf_tokenizer(path: Path) -> Tokenizer:
-    import gguf
+    from fd_core.model.gguf_file import read_gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
-    metadata = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    metadata = {key: value for key, value in reader.metadata.items() if key.startswith("tokenizer.")}
     return Tokenizer.from_gguf_metadata(metadata, source=str(path))
