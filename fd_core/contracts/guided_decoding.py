@@ -1,11 +1,12 @@
 """Contract of the guided-decoding seam: constraints compiled once, a matcher per sequence, a mask per step.
 
-A request may carry a :class:`~fd_core.request.GuidedDecoding` constraint (a JSON schema, a
-regex, a grammar, a list of choices). The engine asks the backend to :meth:`~GuidedDecodingBackend.compile`
-it when the request comes in (a constraint that does not compile refuses the request, naming the
-field), then keeps one :class:`ConstraintMatcher` per sequence. Before each token is sampled the
-matcher fills that row of a token bitmask; the sampler sets every token whose bit is clear to
-``-inf``; the sampled token is then fed back with :meth:`ConstraintMatcher.accept`.
+A request may carry a :class:`~fd_core.request.GuidedDecoding` constraint (a JSON schema, any JSON
+object, a regex, a list of choices, a grammar, a structural tag). The engine asks the backend to
+:meth:`~GuidedDecodingBackend.compile` it when the request comes in (a constraint that does not
+compile refuses the request, naming the field), then keeps one :class:`ConstraintMatcher` per
+sequence. Before each token is sampled the matcher fills that row of a token bitmask; the sampler
+sets every token whose bit is clear to ``-inf``; the sampled token is then fed back with
+:meth:`ConstraintMatcher.accept`.
 
 The engine builds a matcher lazily, the first time a request is sampled, and first feeds it the
 request's ``output_token_ids``: a continuation re-served by the pool or a data-parallel rank, a
@@ -15,24 +16,34 @@ state travelling with the request. A constraint on the answer of a reasoning rep
 only the answer's tokens and leaves the reasoning's rows unmasked (``fd_core.runner.answer_start``);
 a backend compiles ``kind`` and ``spec`` and ignores the tags.
 
-Invariants the engine relies on (the conformance kit checks them):
+Invariants the engine relies on (``fd_core.testing.conformance.check_guided_decoding`` checks them):
+- Every kind in :attr:`~GuidedDecodingBackend.supported_kinds` compiles; :meth:`~GuidedDecodingBackend.compile`
+  of another kind, or of a constraint that does not compile, raises :class:`ConstraintError` with a
+  one-line message for the client (the kind, or what is wrong with the spec).
 - :meth:`~GuidedDecodingBackend.compile` is deterministic and cheap to call again with an equal
-  constraint (the backend caches); it raises :class:`ConstraintError` with a message for the client.
-- Every token a filled mask allows is accepted by :meth:`~ConstraintMatcher.accept`, and once the
-  constraint is complete the mask allows exactly the request's stop token ids.
-- A matcher is used by one thread at a time; different matchers may be used from different threads.
+  constraint (the backend caches): an equal constraint's matchers behave the same.
+- Every token a filled mask allows is accepted by :meth:`~ConstraintMatcher.accept`; a token it
+  refuses changes nothing. The mask allows the tokens that keep the output the beginning of one
+  that satisfies the constraint (all of them, but that a backend may fix where JSON puts whitespace),
+  and the matcher's stop token ids exactly where the output so far satisfies it (tokens that extend
+  it may be allowed beside them); never an id that is not text (padding, special tokens other than
+  the stop ids). An output that follows the mask to a stop id therefore satisfies the constraint.
+- Matchers share no state: a matcher is used by one thread at a time; different matchers (of one
+  compiled constraint too) may be used from different threads.
 
 Bitmask layout (xgrammar's, shared by the peers): ``int32 [rows, ceil(vocab_size / 32)]``; token
-``t`` is allowed in a row when bit ``t % 32`` of word ``t // 32`` is set.
+``t`` is allowed in a row when bit ``t % 32`` of word ``t // 32`` is set; the bits past
+``vocab_size`` (``Vocabulary.size``) in a row's last word mean nothing.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fd_core.contracts._base import SeamPlugin
+from fd_core.request import GUIDED_KINDS
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,7 +53,8 @@ if TYPE_CHECKING:
 
 
 class ConstraintError(ValueError):
-    """A constraint the backend cannot compile; the message says why, for the client."""
+    """A constraint the backend cannot compile (or of a kind it does not support); the message says
+    why, on one line, for the client."""
 
 
 class GuidedDecodingUnavailable(RuntimeError):
@@ -80,11 +92,13 @@ class ConstraintMatcher(ABC):
 
     @abstractmethod
     def fill_mask(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the tokens allowed next into ``bitmask[row]`` (int32, see the module docstring)."""
+        """Write the tokens allowed next into ``bitmask[row]`` (int32, see the module docstring), every
+        bit of the row (a forbidden token's is cleared, whatever the row held); no other row changes.
+        Not called once the matcher is terminated."""
 
     @abstractmethod
     def is_terminated(self) -> bool:
-        """Whether the constraint is complete and an end-of-sequence id was accepted."""
+        """Whether one of the matcher's stop token ids was accepted (the constraint was complete)."""
 
 
 class GuidedDecodingBackend(SeamPlugin, ABC):
@@ -95,6 +109,10 @@ class GuidedDecodingBackend(SeamPlugin, ABC):
     :class:`GuidedDecodingUnavailable` from its constructor: the engine serves on and refuses
     constrained requests with that message.
     """
+
+    #: The :data:`~fd_core.request.GUIDED_KINDS` it compiles; a constraint of another kind raises
+    #: :class:`ConstraintError` naming the kind (the client gets a 400).
+    supported_kinds: ClassVar[frozenset[str]] = frozenset(GUIDED_KINDS)
 
     def __init__(self, settings: BaseModel | None, *, vocabulary: Vocabulary) -> None:
         self.settings = settings
@@ -111,8 +129,9 @@ class GuidedDecodingBackend(SeamPlugin, ABC):
     def matcher(self, compiled: Any, stop_token_ids: tuple[int, ...]) -> ConstraintMatcher:
         """A fresh matcher at the start of the constraint ``compiled`` (from :meth:`compile`).
 
-        ``stop_token_ids`` end this request (its end-of-sequence ids and its ``stop_token_ids``):
-        once the constraint is complete the mask allows exactly them; before, none of them.
+        ``stop_token_ids`` end this request (its end-of-sequence ids and its ``stop_token_ids``; they
+        may differ from the vocabulary's ``eos_token_ids``): the mask allows all of them, and no other
+        end-of-sequence id, exactly where the output so far completes the constraint.
         """
 
     def stats(self) -> dict[str, float]:

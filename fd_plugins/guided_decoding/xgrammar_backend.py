@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
     from fd_core.request import GuidedDecoding
 
-#: xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:line: ": the client needs only the rest.
-_SOURCE_PREFIX: Final = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+#: xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:line: " and some with the C++ check that
+#: failed ("Check failed: (...) is false: "): the client needs only the rest.
+_SOURCE_PREFIX: Final = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
 
 
 class XGrammarSettings(BaseModel):
@@ -86,10 +87,14 @@ class XGrammarBackend(GuidedDecodingBackend):
         options = settings if isinstance(settings, XGrammarSettings) else XGrammarSettings()
         self._xgr = xgrammar
         self._any_whitespace = options.any_whitespace
-        # xgrammar reads from the tokenizers JSON how the vocabulary spells bytes (byte-level, byte fallback, raw)
+        # xgrammar reads from the tokenizers JSON how the vocabulary spells bytes (byte-level, byte fallback, raw).
+        # Special tokens are no text (replies leave them out): spelt "", xgrammar never allows them, where it
+        # would take "<|im_start|>" inside a JSON string as those 12 characters. No stop ids here: xgrammar
+        # would allow one a matcher is not given anywhere, as an empty token; each matcher gets its own.
         metadata = xgrammar.TokenizerInfo._detect_metadata_from_hf(vocabulary.tokenizer_json)
-        info = xgrammar.TokenizerInfo(list(vocabulary.tokens), metadata["vocab_type"], vocab_size=vocabulary.size,
-                                      stop_token_ids=list(vocabulary.eos_token_ids),
+        special = _special_ids(vocabulary.tokenizer_json)
+        tokens = ["" if token_id in special else token for token_id, token in enumerate(vocabulary.tokens)]
+        info = xgrammar.TokenizerInfo(tokens, metadata["vocab_type"], vocab_size=vocabulary.size, stop_token_ids=[],
                                       add_prefix_space=metadata["add_prefix_space"])
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=options.compile_threads,
                                                   cache_limit_bytes=options.cache_mb << 20 or -1)
@@ -133,6 +138,11 @@ class XGrammarBackend(GuidedDecodingBackend):
     def stats(self) -> dict[str, float]:
         with self._lock:
             return {**self._figures, "cache_bytes": float(self._compiler.get_cache_size_bytes())}
+
+
+def _special_ids(tokenizer_json: str) -> set[int]:
+    """Ids of the tokenizer's special added tokens (``"special": true``)."""
+    return {added["id"] for added in json.loads(tokenizer_json).get("added_tokens", ()) if added.get("special")}
 
 
 def _choice_grammar(spec: str) -> str:
