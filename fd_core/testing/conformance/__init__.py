@@ -19,6 +19,7 @@ token processor        :func:`check_token_processor`                 hand-made p
 platform               :func:`check_platform`                        detect and every method
 connector              :func:`check_connector`                       loopback transport, hand-off
 model architecture     :func:`check_architecture`                    tiny random models vs transformers
+guided decoding        :func:`check_guided_decoding`                 a small vocabulary, walks along masks
 tool parser            :func:`check_tool_parser`                     its sample replies, every split
 reasoning parser       :func:`check_reasoning_parser`                its sample replies, every split
 =====================  ============================================  ===========================
@@ -42,6 +43,12 @@ from fd_core.testing.conformance.connector import (
     CONNECTOR_CHECKS,
     check_connector,
     run_connector_checks,
+)
+from fd_core.testing.conformance.guided_decoding import (
+    GUIDED_DECODING_CHECKS,
+    check_guided_decoding,
+    kit_vocabulary,
+    run_guided_decoding_checks,
 )
 from fd_core.testing.conformance.peer_directory import (
     InMemoryPeerDirectory,
@@ -86,6 +93,7 @@ __all__ = [
     "ARCHITECTURE_CHECKS",
     "CONNECTOR_CHECKS",
     "DEFAULT_LIMITS",
+    "GUIDED_DECODING_CHECKS",
     "PLATFORM_CHECKS",
     "REASONING_PARSER_CHECKS",
     "SCHEDULER_CHECKS",
@@ -99,6 +107,7 @@ __all__ = [
     "SeamReport",
     "check_architecture",
     "check_connector",
+    "check_guided_decoding",
     "check_names",
     "check_platform",
     "check_reasoning_parser",
@@ -107,8 +116,10 @@ __all__ = [
     "check_token_processor",
     "check_tool_parser",
     "directory_scheduler",
+    "kit_vocabulary",
     "run_architecture_checks",
     "run_connector_checks",
+    "run_guided_decoding_checks",
     "run_platform_checks",
     "run_reasoning_parser_checks",
     "run_plugin_checks",

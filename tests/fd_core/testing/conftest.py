@@ -24,6 +24,7 @@ def broken_plugins():
     sys.path.insert(0, source)
     try:
         import fd_broken_plugins.connector
+        import fd_broken_plugins.guided_decoding
         import fd_broken_plugins.platform
         import fd_broken_plugins.resource_manager
         import fd_broken_plugins.scheduler

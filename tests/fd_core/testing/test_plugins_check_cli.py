@@ -37,7 +37,7 @@ def test_a_built_in_passes_every_check():
 
 
 @pytest.mark.parametrize("name", ["fd.token_processors/default", "resource_manager/v1", "platform/cpu",
-                                  "tool_parser/hermes", "fd.reasoning_parsers/think"])
+                                  "tool_parser/hermes", "fd.reasoning_parsers/think", "guided_decoding/xgrammar"])
 def test_other_built_ins_pass(name):
     result = _check(name)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -54,6 +54,8 @@ def test_other_built_ins_pass(name):
      "detect() never raises — RaisingDetector.detect() raised RuntimeError: the device probe exploded"),
     ("connector/drops-blocks", "block_buffers",
      "block buffers arrive byte-identical and stay valid until the next receive — block message 0 never arrived"),
+    ("fd.guided_decoding/ignores-stop-ids", "stop_ids", "the mask allows the matcher's stop ids, and no other special "
+                                                        "token, just where the output is complete — IgnoresStopIds: "),
 ])
 def test_a_broken_plugin_fails_naming_the_invariant(broken_plugins_site, name, check, words):
     skip = ["--skip", "handoff,handoff_abort"] if name.startswith("connector/") else []
