@@ -312,6 +312,8 @@ def _kinds(kit: _Kit) -> None:
 
 
 def _invalid_specs(kit: _Kit) -> None:
+    """Each of the kit's invalid constraints of a declared kind raises ConstraintError whose message a
+    client can read (and quotes the culprit, where the constraint has one)."""
     cases = [case for case in INVALID if case.kind in kit.cls.supported_kinds]
     if not cases:
         raise Skip("the kit has no invalid constraint of the declared kinds")
