@@ -116,10 +116,11 @@ class XGrammarBackend(GuidedDecodingBackend):
         kind, spec = constraint.kind, constraint.spec
         if kind == "json":
             try:
-                json.loads(spec)
+                schema = json.loads(spec)
             except ValueError as exc:
                 raise ValueError(f"the JSON schema is not JSON: {exc}") from None
-            return self._compiler.compile_json_schema(spec, any_whitespace=self._any_whitespace, strict_mode=True)
+            return self._compiler.compile_json_schema(json.dumps(_bounded_strings_as_patterns(schema)),
+                                                      any_whitespace=self._any_whitespace, strict_mode=True)
         if kind == "json_object":   # a schema, not the built-in JSON grammar: the whitespace rule applies too
             return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=self._any_whitespace)
         if kind == "regex":
@@ -138,6 +139,32 @@ class XGrammarBackend(GuidedDecodingBackend):
     def stats(self) -> dict[str, float]:
         with self._lock:
             return {**self._figures, "cache_bytes": float(self._compiler.get_cache_size_bytes())}
+
+
+#: What a length-bounded string may hold (see :func:`_bounded_strings_as_patterns`).
+_PLAIN_STRING_CHARACTER: Final = r'[^"\\\x00-\x1f]'
+
+
+def _bounded_strings_as_patterns(schema: Any) -> Any:
+    """``schema`` with each string's ``minLength`` / ``maxLength`` (without a pattern, format, enum
+    or const) written as the equal ``pattern``.
+
+    xgrammar 0.2.8 compiles a length-bounded string as characters other than quote, backslash, CR
+    and LF, so a tab or another control character could appear raw, which JSON forbids (Python's
+    ``json.loads`` refuses it); it compiles a pattern over JSON string content correctly. The
+    pattern also leaves out quotes and backslashes, as xgrammar's own rule does.
+    """
+    if isinstance(schema, list):
+        return [_bounded_strings_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _bounded_strings_as_patterns(value) for key, value in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if (out.get("type") == "string" and bounded and isinstance(out.get("minLength", 0), int)
+            and isinstance(out.get("maxLength", 0), int) and not {"pattern", "format", "enum", "const"} & out.keys()):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^{_PLAIN_STRING_CHARACTER}{{{low},{high}}}$"
+    return out
 
 
 def _special_ids(tokenizer_json: str) -> set[int]:

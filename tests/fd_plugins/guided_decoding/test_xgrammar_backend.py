@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from fd_core.contracts.guided_decoding import ConstraintError
+from fd_core.contracts.guided_decoding import ConstraintError, mask_words
 from fd_core.request import GuidedDecoding
 from fd_core.testing.conformance import check_guided_decoding, kit_vocabulary
+from fd_core.testing.conformance._guided_samples import END, LOGITS_WIDTH
 from fd_plugins.guided_decoding.xgrammar_backend import XGrammarBackend
 
 pytest.importorskip("xgrammar")
@@ -31,3 +33,25 @@ def test_errors_lose_xgrammars_source_location_and_failed_check(constraint, mess
     with pytest.raises(ConstraintError) as caught:
         backend.compile(constraint)
     assert str(caught.value) == message
+
+
+def test_a_length_bounded_string_never_holds_a_raw_control_character():
+    """xgrammar 0.2.8 alone lets a tab into a string with minLength/maxLength, which JSON forbids."""
+    kit = kit_vocabulary()
+    backend = XGrammarBackend(None, vocabulary=kit.vocabulary)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 3}},
+              "required": ["name"]}
+    matcher = backend.matcher(backend.compile(GuidedDecoding("json", json.dumps(schema))), (END,))
+    by_bytes = {spelled: token for token, spelled in enumerate(kit.token_bytes) if spelled}
+    for byte in b'{"name": "':
+        assert matcher.accept(by_bytes[bytes([byte])])
+    bitmask = np.zeros((1, mask_words(LOGITS_WIDTH)), np.int32)
+    allowed = []
+    for text in (b"", b"abc"):
+        for byte in text:
+            assert matcher.accept(by_bytes[bytes([byte])])
+        matcher.fill_mask(bitmask, 0)
+        allowed.append({spelled for spelled, token in by_bytes.items() if bitmask[0, token // 32] >> (token % 32) & 1})
+    assert b"a" in allowed[0] and b'"' not in allowed[0]   # at least one character
+    assert not [spelled for spelled in allowed[0] if min(spelled) < 0x20]
+    assert all(spelled.startswith(b'"') for spelled in allowed[1])   # three characters: the string ends
