@@ -78,12 +78,16 @@ class Shape:
                 "cut_link": 0.0}[kind]
 
 
+#: The key prefix of the pool (``fd:{topic}``, braces included: see ``fd_plugins.schedulers.pool.store``).
+POOL_KEYS = "fd:{default}"
+
+
 def pool_leftover(client: redis.Redis, live: set[str]) -> list[str]:
-    """Keys of the pool (``fd:default``) other than the live members' liveness keys and the
+    """Keys of the pool (:data:`POOL_KEYS`) other than the live members' liveness keys and the
     membership and load sets; members of those sets that are not live."""
-    own = {f"fd:default:alive:{name}" for name in live} | {"fd:default:inst", "fd:default:load"}
-    found = sorted(set(client.scan_iter("fd:default:*")) - own)
-    for key in ("fd:default:inst", "fd:default:load"):
+    own = {f"{POOL_KEYS}:alive:{name}" for name in live} | {f"{POOL_KEYS}:inst", f"{POOL_KEYS}:load"}
+    found = sorted(set(client.scan_iter(f"{POOL_KEYS}:*")) - own)
+    for key in (f"{POOL_KEYS}:inst", f"{POOL_KEYS}:load"):
         found += [f"{key} lists {m}" for m in client.zrange(key, 0, -1) if m not in live]
     return found
 
