@@ -11,10 +11,10 @@ connector link (what was in flight on it is lost). :class:`Deployment` runs the 
 processes; the checks afterwards:
 
 - every request ended within :data:`REQUEST_BOUND_S` (no hang), answered exactly once;
-- with the greedy text of an undisturbed engine (a constrained one: its constrained text, which
-  validates), or with an error only where the instance the
-  client talked to was killed while it waited (or was down when it asked), or, on the splitwise
-  shape, an error that names the prefill side it gave up on;
+- with the greedy text of an undisturbed engine (a constrained call: its constrained text, which
+  validates), or with an error only where the instance the client talked to was killed while it
+  waited (or was down when it asked), or, on the splitwise shape, an error that names the prefill
+  side it gave up on;
 - every live instance says ``ok`` and has every KV block free;
 - no key left in Redis but the live instances' own.
 
