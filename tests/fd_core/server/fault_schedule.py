@@ -3,16 +3,18 @@
 Two deployment shapes (:data:`SHAPES`): ``pool``, three members of the ``global`` scheduler;
 ``splitwise``, two prefill instances and a decode instance (``zmq`` connector, each behind a
 :class:`~tests.fd_core.server.link_cutter.LinkCutter`). A seed draws a plan for a shape: requests
-(entry instance, prompt, length, streaming or not, when) and a sequence of faults: kill -9 of an
+(entry instance, prompt, length, streaming or not, when; every third one constrained by the JSON
+schema of :mod:`tests.fd_core.server.constrained`) and a sequence of faults: kill -9 of an
 instance (restarted or not), SIGSTOP/SIGCONT of a whole instance for longer than a lease or a
 stall timeout, Redis ``CLIENT PAUSE``, a Redis restart (every key lost) and, for splitwise, a cut
 connector link (what was in flight on it is lost). :class:`Deployment` runs the plan against real
 processes; the checks afterwards:
 
 - every request ended within :data:`REQUEST_BOUND_S` (no hang), answered exactly once;
-- with the greedy text of an undisturbed engine, or with an error only where the instance the
-  client talked to was killed while it waited (or was down when it asked), or, on the splitwise
-  shape, an error that names the prefill side it gave up on;
+- with the greedy text of an undisturbed engine (a constrained call: its constrained text, which
+  validates), or with an error only where the instance the client talked to was killed while it
+  waited (or was down when it asked), or, on the splitwise shape, an error that names the prefill
+  side it gave up on;
 - every live instance says ``ok`` and has every KV block free;
 - no key left in Redis but the live instances' own.
 
@@ -24,6 +26,7 @@ printed with its plan, so ``--seeds N:N+1`` replays it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -41,6 +44,7 @@ import httpx
 import redis
 
 from fd_core.testing.redis_server import RedisServer
+from tests.fd_core.server import constrained
 from tests.fd_core.server.conftest import TINY_ARGS, ServerProcess, free_port
 from tests.fd_core.server.link_cutter import LinkCutter
 
@@ -51,6 +55,9 @@ HEARTBEAT_S, LEASE_S, SOCKET_TIMEOUT_S, STALL_TIMEOUT_S = 0.2, 1.5, 0.3, 2.0
 #: The prompts requests draw from (token ids of the tiny model's vocabulary).
 PROMPTS = [[(11 * i + 3 * j) % 480 + 5 for j in range(10 + 3 * i)] for i in range(6)]
 MAX_TOKENS = (24, 96)
+#: Every GUIDED_EVERY-th call of a plan (in time order) is constrained; marked, not drawn, so that a
+#: seed draws the same faults and calls as before constrained calls were added.
+GUIDED_EVERY = 3
 #: The address the splitwise instances advertise: their link cutters listen there.
 CUT_HOST = "127.0.0.2"
 
@@ -78,12 +85,16 @@ class Shape:
                 "cut_link": 0.0}[kind]
 
 
+#: The key prefix of the pool (``fd:{topic}``, braces included: see ``fd_plugins.schedulers.pool.store``).
+POOL_KEYS = "fd:{default}"
+
+
 def pool_leftover(client: redis.Redis, live: set[str]) -> list[str]:
-    """Keys of the pool (``fd:default``) other than the live members' liveness keys and the
+    """Keys of the pool (:data:`POOL_KEYS`) other than the live members' liveness keys and the
     membership and load sets; members of those sets that are not live."""
-    own = {f"fd:default:alive:{name}" for name in live} | {"fd:default:inst", "fd:default:load"}
-    found = sorted(set(client.scan_iter("fd:default:*")) - own)
-    for key in ("fd:default:inst", "fd:default:load"):
+    own = {f"{POOL_KEYS}:alive:{name}" for name in live} | {f"{POOL_KEYS}:inst", f"{POOL_KEYS}:load"}
+    found = sorted(set(client.scan_iter(f"{POOL_KEYS}:*")) - own)
+    for key in (f"{POOL_KEYS}:inst", f"{POOL_KEYS}:load"):
         found += [f"{key} lists {m}" for m in client.zrange(key, 0, -1) if m not in live]
     return found
 
@@ -129,10 +140,18 @@ class Call:
     prompt: int
     max_tokens: int
     stream: bool
+    guided: bool = False   # constrained (tests.fd_core.server.constrained): ends with the JSON, not max_tokens
 
     def body(self) -> dict[str, Any]:
+        if self.guided:
+            return {**constrained.body(PROMPTS[self.prompt]), "stream": self.stream}
         return {"prompt": PROMPTS[self.prompt], "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": self.stream}
+
+    @property
+    def reference_key(self) -> tuple[int, int | str]:
+        """Its key in :func:`reference_texts`."""
+        return self.prompt, "json" if self.guided else self.max_tokens
 
 
 @dataclass(frozen=True)
@@ -144,7 +163,7 @@ class Plan:
 
     def describe(self) -> str:
         calls = "\n".join(f"  {c.at_s:5.2f}s -> {c.entry} prompt {c.prompt} max_tokens {c.max_tokens}"
-                          f"{' stream' if c.stream else ''}" for c in self.calls)
+                          f"{' stream' if c.stream else ''}{' json' if c.guided else ''}" for c in self.calls)
         faults = "\n".join(f"  {f}" for f in self.faults)
         return f"{self.shape.name} seed {self.seed}\nfaults:\n{faults}\ncalls:\n{calls}"
 
@@ -165,6 +184,8 @@ def draw_plan(shape: Shape, seed: int, *, calls: int = 18, span_s: float = 8.0) 
     requests = sorted((Call(round(rng.uniform(0, span_s), 2), rng.choice(shape.entries),
                             rng.randrange(len(PROMPTS)), rng.choice(MAX_TOKENS), rng.random() < 0.5)
                        for _ in range(calls)), key=lambda c: c.at_s)
+    requests = [dataclasses.replace(c, max_tokens=constrained.MAX_TOKENS, guided=True)
+                if i % GUIDED_EVERY == GUIDED_EVERY - 1 else c for i, c in enumerate(requests)]
     return Plan(shape, seed, tuple(requests), tuple(drawn))
 
 
@@ -362,7 +383,7 @@ def _stream(url: str, call: Call, outcome: Outcome) -> None:
 
 
 # -- invariants --------------------------------------------------------------------------------
-def answer_violations(outcomes: list[Outcome], reference: dict[tuple[int, int], str],
+def answer_violations(outcomes: list[Outcome], reference: dict[tuple[int, int | str], str],
                       downtimes: dict[str, list[Downtime]], error_words: tuple[str, ...]) -> list[str]:
     """Every call answered once with the undisturbed text, or failed only where its instance was
     killed while it waited (or was down when it asked), or with an error naming one of
@@ -370,12 +391,13 @@ def answer_violations(outcomes: list[Outcome], reference: dict[tuple[int, int], 
     found = []
     for o in outcomes:
         c = o.call
-        where = f"call at {c.at_s}s to {c.entry} (prompt {c.prompt}, {c.max_tokens} tokens, stream={c.stream})"
+        where = (f"call at {c.at_s}s to {c.entry} (prompt {c.prompt}, {c.max_tokens} tokens, stream={c.stream}, "
+                 f"json={c.guided})")
         if o.ended - o.sent > REQUEST_BOUND_S:
             found.append(f"{where} took {o.ended - o.sent:.1f} s")
         if o.error is None:
-            if o.text != reference[c.prompt, c.max_tokens]:
-                found.append(f"{where} answered {o.text!r}, not {reference[c.prompt, c.max_tokens]!r}")
+            if o.text != reference[c.reference_key]:
+                found.append(f"{where} answered {o.text!r}, not {reference[c.reference_key]!r}")
             elif o.finishes != 1:
                 found.append(f"{where} got {o.finishes} finish reasons")
         elif not (any(d.killed <= o.ended and o.sent <= d.back for d in downtimes[c.entry])
@@ -423,16 +445,18 @@ def health_violations(live: dict[str, ServerProcess], timeout: float = 30.0) -> 
     return found
 
 
-def reference_texts(model: Path) -> dict[tuple[int, int], str]:
-    """Greedy text of every (prompt, max_tokens) from one undisturbed offline engine."""
+def reference_texts(model: Path) -> dict[tuple[int, int | str], str]:
+    """Greedy text of every (prompt, max_tokens) and (prompt, "json"), constrained, from one
+    undisturbed offline engine (the constrained texts validate)."""
     from fd_core.engine.llm import LLM
     from fd_core.request import SamplingParams
 
     llm = LLM(str(model), cache={"num_blocks": 256})
-    texts = {}
+    texts: dict[tuple[int, int | str], str] = {}
     for max_tokens in MAX_TOKENS:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         texts.update(((i, max_tokens), r.text) for i, r in enumerate(llm.generate(PROMPTS, params)))
+    texts.update(((i, "json"), text) for i, text in enumerate(constrained.references(llm, PROMPTS)))
     return texts
 
 
@@ -464,7 +488,7 @@ def running(shape: Shape, folder: Path, model: Path) -> Iterator[Deployment]:
         redis_server.stop()
 
 
-def run_seed(shape: Shape, seed: int, folder: Path, model: Path, reference: dict[tuple[int, int], str]) -> Result:
+def run_seed(shape: Shape, seed: int, folder: Path, model: Path, reference: dict[tuple[int, int | str], str]) -> Result:
     """Run the plan of ``seed`` on a fresh deployment of ``shape`` in ``folder``; its violations
     (none: it passed)."""
     plan = draw_plan(shape, seed)

@@ -19,6 +19,7 @@ from fd_core.outputs import RequestOutput
 from fd_core.request import FinishReason, Request, SamplingParams
 from fd_core.server import wire
 from fd_core.server.data_parallel import DataParallelClient, split_cpus
+from tests.fd_core.server import constrained
 from tests.fd_core.server.conftest import START_TIMEOUT_S, TINY_ARGS, start_server
 from tests.fd_core.server.test_lifecycle import read_stream
 from tests.fd_core.server.test_pool import PROMPTS, _wait_for
@@ -38,14 +39,16 @@ LONG_MAX_TOKENS = 300
 
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> dict[str, list[str]]:
-    """Greedy texts from one offline engine: ``short`` of every prompt, ``long`` of the first two."""
+    """Greedy texts from one offline engine: ``short`` of every prompt, ``long`` and ``json``
+    (constrained, :mod:`tests.fd_core.server.constrained`) of the first two."""
     from fd_core.engine.llm import LLM
 
     llm = LLM(str(tiny_model), cache={"num_blocks": 256})
     short = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=LONG_MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return {"short": [r.text for r in llm.generate(PROMPTS, short)],
-            "long": [r.text for r in llm.generate(PROMPTS[:2], long)]}
+            "long": [r.text for r in llm.generate(PROMPTS[:2], long)],
+            "json": constrained.references(llm, PROMPTS[:2])}
 
 
 def test_cpus_are_shared_out_without_overlap() -> None:
@@ -74,23 +77,29 @@ def test_two_ranks_answer_like_one_share_the_work_and_free_every_block(tiny_mode
             == metric(t, "fd_dp_rank_kv_cache_blocks_total", f'{{rank="{r}"}}') > 0 for r in "01"),
             "every KV block free on both ranks")
 
-        # one long stream per rank (the second call goes to the rank with fewer tokens in flight);
-        # killing rank 1 mid-stream continues its request on rank 0 from the tokens already sent
-        starts = [threading.Event(), threading.Event()]
-        with ThreadPoolExecutor(2) as workers:
-            streams = [workers.submit(read_stream, server.url, {"prompt": PROMPTS[i], "max_tokens": LONG_MAX_TOKENS,
-                                                                "temperature": 0, "ignore_eos": True}, starts[i])
-                       for i in range(2)]
-            assert all(start.wait(30) for start in starts)
+        # one long stream per rank (the second call goes to the rank with fewer tokens in flight),
+        # then one constrained stream per rank (by the same rule); killing rank 1 once all four run
+        # continues its two requests on rank 0 from the tokens already sent, the constrained one mid-JSON
+        bodies = [{"prompt": PROMPTS[i], "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+                  for i in range(2)] + [constrained.body(PROMPTS[i]) for i in range(2)]
+        starts = [threading.Event() for _ in bodies]
+        with ThreadPoolExecutor(len(bodies)) as workers:
+            streams = []
+            for pair in (range(2), range(2, 4)):
+                streams += [workers.submit(read_stream, server.url, bodies[i], starts[i]) for i in pair]
+                assert all(starts[i].wait(30) for i in pair)
             os.kill(server.engine_pids()[1], signal.SIGKILL)
             events = [future.result(timeout=60) for future in streams]
         assert not [e for stream in events for e in stream if '"error"' in e]
         texts = ["".join(json.loads(e)["choices"][0]["text"] for e in stream[:-1]) for stream in events]
-        assert texts == reference["long"], "a stream continued on rank 0 differs from one uninterrupted run"
+        assert texts[:2] == reference["long"], "a stream continued on rank 0 differs from one uninterrupted run"
+        for text, expected in zip(texts[2:], reference["json"], strict=True):
+            constrained.check(text, expected)
         text = metrics(server.url)
-        assert metric(text, "fd_dp_requests_continued_total") == 1
+        assert metric(text, "fd_dp_requests_continued_total") == 2, "rank 1 did not die with two requests running"
         # each request finished once (no late final of the dead rank counted), nothing left placed
         assert metric(text, "fd_request_finished_total", '{finish_reason="length"}') == 8 + 2
+        assert metric(text, "fd_request_finished_total", '{finish_reason="stop"}') == 2
         assert [metric(text, "fd_dp_rank_tokens_in_flight", f'{{rank="{r}"}}') for r in "01"] == [0, 0]
         health = _wait_for(lambda: (h := httpx.get(server.url + "/health")).json()["status"] == "degraded" and h,
                            "/health to say degraded")
@@ -101,6 +110,8 @@ def test_two_ranks_answer_like_one_share_the_work_and_free_every_block(tiny_mode
         assert [a.json()["choices"][0]["text"] for a in answers] == reference["short"][:4]
         assert metric(metrics(server.url), "fd_dp_rank_up", '{rank="1"}') == 0
         assert server.proc.poll() is None, "fd-serve exited though rank 0 still serves"
+        _wait_for(lambda: metric(t := metrics(server.url), "fd_dp_rank_kv_cache_blocks_free", '{rank="0"}')
+                  == metric(t, "fd_dp_rank_kv_cache_blocks_total", '{rank="0"}') > 0, "every KV block free on rank 0")
     finally:
         assert server.stop() == 0, server.log()
 

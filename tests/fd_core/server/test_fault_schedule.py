@@ -18,7 +18,7 @@ CI_SEEDS = {POOL: (8, 9), SPLITWISE: (0, 11)}
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path) -> dict[tuple[int, int], str]:
+def reference(tiny_model: Path) -> dict[tuple[int, int | str], str]:
     return reference_texts(tiny_model)
 
 

@@ -2,7 +2,9 @@
 
 Requests are all sent to A, whose engine runs two at a time, so B (idle) takes work from A's
 queue. Every answer is checked against the offline engine's greedy output (one instance, local
-scheduler): a duplicated or missing token after a failure would change the text.
+scheduler): a duplicated or missing token after a failure would change the text, and a
+constrained request (:mod:`tests.fd_core.server.constrained`) continued elsewhere would break its
+constraint if the new holder did not replay it over the tokens already delivered.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
-from fd_core.request import SamplingParams
+from fd_core.request import Request, SamplingParams
+from fd_core.server import wire
+from tests.fd_core.server import constrained
 from tests.fd_core.server.conftest import TINY_ARGS, ServerProcess, start_server
+from tests.fd_core.server.fault_schedule import POOL_KEYS
 from tests.fd_core.server.test_requests import metric, metrics, wait_all_blocks_free
 
 PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(12 + i)] for i in range(8)]
@@ -36,11 +42,14 @@ LONG_MAX_TOKENS = 160
 #: The pool's lease (at least heartbeat_s + 2 x socket_timeout_s of the config below).
 LEASE_S = 1.2
 
+#: Prompts (indexes) of the constrained streams that run beside the others when a holder is killed.
+CONSTRAINED = range(4)
+
 
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> dict[Any, str]:
     """Greedy text of each prompt from one offline engine with the local scheduler: ``[i]`` for
-    MAX_TOKENS, ``["long", i]`` for LONG_MAX_TOKENS."""
+    MAX_TOKENS, ``["long", i]`` for LONG_MAX_TOKENS, ``["json", i]`` constrained (for CONSTRAINED)."""
     from fd_core.engine.llm import LLM
 
     llm = LLM(str(tiny_model), cache={"num_blocks": 256})
@@ -48,6 +57,8 @@ def reference(tiny_model: Path) -> dict[Any, str]:
     for key, max_tokens in ((lambda i: i, MAX_TOKENS), (lambda i: ("long", i), LONG_MAX_TOKENS)):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         texts.update((key(i), r.text) for i, r in enumerate(llm.generate(PROMPTS, params)))
+    texts.update((("json", i), text) for i, text in zip(
+        CONSTRAINED, constrained.references(llm, [PROMPTS[i] for i in CONSTRAINED]), strict=True))
     return texts
 
 
@@ -72,10 +83,13 @@ def _start(tmp_path: Path, tiny_model: Path, url: str, name: str, *args: str) ->
                         *TINY_ARGS, *args, name=name)
 
 
-def _stream(url: str, index: int, started: threading.Event | None = None, max_tokens: int = MAX_TOKENS) -> str:
-    """The streamed text of one greedy completion of PROMPTS[index]; raises on an error event."""
-    body = {"prompt": PROMPTS[index], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+def _stream(url: str, index: int, started: threading.Event | None = None, max_tokens: int = MAX_TOKENS, *,
+            constrained_reply: bool = False) -> str:
+    """The streamed text of one greedy completion of PROMPTS[index] (with ``constrained_reply``, one
+    constrained by :data:`constrained.RESPONSE_FORMAT` instead); raises on an error event."""
+    body = (constrained.body(PROMPTS[index]) if constrained_reply else
+            {"prompt": PROMPTS[index], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    body["stream"] = True
     text = ""
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
         assert response.status_code == 200, response.read()
@@ -110,6 +124,20 @@ def _figure(server: ServerProcess, name: str) -> float:
     return metric(metrics(server.url), name)
 
 
+def _runs_for_peers(redis_url: str, holder: str) -> list[tuple[Request, int]]:
+    """What ``holder`` runs for its peers, read from the pool's keys (see
+    ``fd_plugins.schedulers.pool.store``): each request, with how many of its output tokens were
+    routed to its origin so far."""
+    runs = []
+    with redis.Redis.from_url(redis_url) as client:   # bytes: a record's request is msgpack
+        for key in client.scan_iter(f"{POOL_KEYS}:r:*"):
+            record = client.hgetall(key)
+            if record.get(b"holder") == holder.encode():
+                routed = client.llen(f"{POOL_KEYS}:t:{key.decode().removeprefix(f'{POOL_KEYS}:r:')}")
+                runs.append((wire.decode_request(wire.unpack(record[b"req"])), routed))
+    return runs
+
+
 @pytest.fixture
 def pool(redis_server: Any, tiny_model: Path, tmp_path: Path):
     """A (two requests at a time) and B, sharing ``redis_server``."""
@@ -140,19 +168,29 @@ def test_a_busy_instance_s_requests_are_shared_and_answered_exactly_through_it(p
         assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
-def test_kill_9_of_a_holder_re_serves_its_requests_without_duplicate_or_gap(pool, reference) -> None:
+def test_kill_9_of_a_holder_re_serves_its_requests_without_duplicate_or_gap(pool, redis_server, reference) -> None:
+    """B is killed while it holds constrained requests mid-JSON (some of their tokens delivered):
+    A serves them again from those tokens, and each reply still validates, with the undisturbed text."""
     a, b = pool
     starts = [threading.Event() for _ in range(8)]
-    with ThreadPoolExecutor(8) as workers:
+    with ThreadPoolExecutor(8 + len(CONSTRAINED)) as workers:
         futures = [workers.submit(_stream, a.url, i, starts[i], LONG_MAX_TOKENS) for i in range(8)]
-        _wait_for(lambda: _figure(b, "fd_scheduler_holding_for_peers") > 0 and sum(s.is_set() for s in starts) > 2,
-                  "B to hold some of A's requests while their streams run")
+        guided = [workers.submit(_stream, a.url, i, constrained_reply=True) for i in CONSTRAINED]
+        # mid-JSON: B holds a constrained request (unfinished: its final output deletes the record)
+        # some of whose tokens it routed to A
+        _wait_for(lambda: sum(s.is_set() for s in starts) > 2 and any(
+            request.sampling_params.guided is not None and routed > 0
+            for request, routed in _runs_for_peers(redis_server.url, "b")),
+            "B to run some of A's requests, constrained ones among them with tokens delivered")
         os.kill(b.engine_pid(), signal.SIGKILL)
         os.kill(b.proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         texts = [future.result(timeout=REQUEST_TIMEOUT_S) for future in futures]
+        replies = [future.result(timeout=REQUEST_TIMEOUT_S) for future in guided]
         recovery_s = time.monotonic() - t0
     assert texts == [reference["long", i] for i in range(8)], "a stream differs from the single-instance answer"
+    for index, reply in zip(CONSTRAINED, replies, strict=True):
+        constrained.check(reply, reference["json", index])
     assert _figure(a, "fd_scheduler_leases_expired_total") >= 1
     assert _figure(a, "fd_scheduler_reserved_total") >= 1
     assert recovery_s < REQUEST_TIMEOUT_S

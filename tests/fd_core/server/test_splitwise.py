@@ -1,6 +1,7 @@
 """Prefill and decode fd-serve instances (real processes, a real Redis directory, each connector):
-answers equal one mixed engine's, every block is free on both sides afterwards, and a dead
-instance never leaves a client hanging or blocks held."""
+answers equal one mixed engine's (constrained ones too: the prefill instance applies the mask to
+the first token it samples), every block is free on both sides afterwards, and a dead instance
+never leaves a client hanging or blocks held."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ import pytest
 from fd_core.request import SamplingParams
 from fd_core.testing.redis_server import RedisServer, redis_server_path
 from tests.fd_core.router.conftest import RouterProcess
+from tests.fd_core.server import constrained
 from tests.fd_core.server.conftest import TINY_ARGS, ServerProcess, start_server
 from tests.fd_core.server.test_pool import PROMPTS, _wait_for
 from tests.fd_core.server.test_requests import metric, metrics
 
 MAX_TOKENS = 24
+#: Prompts (indexes) of the constrained requests sent through a pair.
+CONSTRAINED = range(4)
 #: Short hand-off timers, so that a dead peer is given up within a few seconds.
 TIMERS = ("--splitwise.heartbeat_s", "0.2", "--splitwise.stall_timeout_s", "2.0")
 
@@ -49,12 +53,14 @@ def start_role(tmp_path: Path, tiny_model: Path, redis: RedisServer, role: str, 
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path) -> list[str]:
+def reference(tiny_model: Path) -> dict[str, list[str]]:
+    """Greedy texts of one mixed offline engine: ``free`` of every prompt, ``json`` (constrained,
+    :mod:`tests.fd_core.server.constrained`) of those in CONSTRAINED."""
     from fd_core.engine.llm import LLM
 
     llm = LLM(str(tiny_model), cache={"num_blocks": 256})
-    return [r.text for r in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                                 ignore_eos=True))]
+    free = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    return {"free": [r.text for r in free], "json": constrained.references(llm, [PROMPTS[i] for i in CONSTRAINED])}
 
 
 def wait_blocks_free(*servers: ServerProcess, timeout: float = 15.0) -> None:
@@ -85,10 +91,20 @@ def test_a_prefill_decode_pair_answers_like_one_mixed_engine(tiny_model, redis, 
                                                stream=True, extra_body={"ignore_eos": True})
             return "".join(c.choices[0].text for c in chunks if c.choices)
 
+        def guided(i: int) -> str:   # constrained; streamed for odd i
+            fields = constrained.body(PROMPTS[i])
+            reply = client.completions.create(model=model, prompt=fields.pop("prompt"), stream=bool(i % 2),
+                                              extra_body=fields)
+            return "".join(c.choices[0].text for c in reply if c.choices) if i % 2 else reply.choices[0].text
+
         with ThreadPoolExecutor(8) as workers:
             texts = list(workers.map(complete, range(len(PROMPTS))))
             streamed = list(workers.map(stream, range(len(PROMPTS))))
-        assert texts == reference and streamed == reference
+            replies = list(workers.map(guided, CONSTRAINED))
+        assert texts == reference["free"] and streamed == reference["free"]
+        # the first token (sampled on the prefill instance) is "{", not the greedy favourite
+        for reply, expected in zip(replies, reference["json"], strict=True):
+            constrained.check(reply, expected)
         # prompt logprobs come from the prefill instance with the first token
         scored = client.completions.create(model=model, prompt=[5, 17, 42, 99, 7], max_tokens=2, temperature=0,
                                            echo=True, logprobs=1, extra_body={"ignore_eos": True}).choices[0]
@@ -96,14 +112,14 @@ def test_a_prefill_decode_pair_answers_like_one_mixed_engine(tiny_model, redis, 
         assert len(values) == 5 + 2 and values[0] is None and all(v <= 0 for v in values[1:])
         wait_blocks_free(prefill, decode)
         on_decode, on_prefill = metrics(decode.url), metrics(prefill.url)
-        assert metric(on_decode, "fd_splitwise_transfers_done_total") == 2 * len(PROMPTS) + 1
-        assert metric(on_prefill, "fd_splitwise_jobs_done_total") == 2 * len(PROMPTS) + 1
+        handed_off = 2 * len(PROMPTS) + len(CONSTRAINED) + 1
+        assert metric(on_decode, "fd_splitwise_transfers_done_total") == handed_off
+        assert metric(on_prefill, "fd_splitwise_jobs_done_total") == handed_off
         assert metric(on_prefill, "fd_splitwise_connector_bytes_sent_total") > 0
         assert metric(on_decode, "fd_prompt_tokens_total") == 0   # no prompt computed on the decode side
         # every request went to the decode instance (a stream is counted once it ended), none to the prefill one
-        num_requests = 2 * len(PROMPTS) + 1
         _wait_for(lambda: metric(metrics(router.url), "fd_router_requests_total",
-                                 f'{{backend="{decode.url}",outcome="ok"}}') >= num_requests, "the router's count")
+                                 f'{{backend="{decode.url}",outcome="ok"}}') >= handed_off, "the router's count")
         on_router = metrics(router.url)
         assert metric(on_router, "fd_router_requests_total", f'{{backend="{prefill.url}",outcome="ok"}}') == 0
     finally:
@@ -178,7 +194,7 @@ def test_a_killed_prefill_instance_is_replaced_by_another(tiny_model, redis, tmp
             texts = list(workers.map(lambda i: client.completions.create(
                 model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0,
                 extra_body={"ignore_eos": True}).choices[0].text, range(4)))
-        assert texts == reference[:4]
+        assert texts == reference["free"][:4]
         text = metrics(decode.url)
         assert metric(text, "fd_splitwise_transfers_stalled_total") >= 1
         wait_blocks_free(decode, second)
