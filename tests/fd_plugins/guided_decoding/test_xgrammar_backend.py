@@ -55,3 +55,11 @@ def test_a_length_bounded_string_never_holds_a_raw_control_character():
     assert b"a" in allowed[0] and b'"' not in allowed[0]   # at least one character
     assert not [spelled for spelled in allowed[0] if min(spelled) < 0x20]
     assert all(spelled.startswith(b'"') for spelled in allowed[1])   # three characters: the string ends
+
+
+def test_large_length_bounds_still_compile():
+    """Bounds past MAX_PATTERN_LENGTH_BOUND keep xgrammar's own rule (its pattern automaton fails from ~200)."""
+    backend = XGrammarBackend(None, vocabulary=kit_vocabulary().vocabulary)
+    for key in ("minLength", "maxLength"):
+        schema = {"type": "object", "properties": {"text": {"type": "string", key: 300}}, "required": ["text"]}
+        assert backend.compile(GuidedDecoding("json", json.dumps(schema))) is not None
