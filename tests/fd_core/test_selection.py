@@ -126,8 +126,8 @@ def _proposer_selection(tmp_path, **proposer):
     model = tmp_path / "model.gguf"
     model.write_bytes(b"")
     registry = Registry.from_plugins({"platform": [EnvProbe], "scheduler": [LocalScheduler],
-                                      "resource_manager": [V1ResourceManager], "token_processor": [DefaultTokenProcessor],
-                                      "proposer": [NgramProposer]})
+                                      "resource_manager": [V1ResourceManager],
+                                      "token_processor": [DefaultTokenProcessor], "proposer": [NgramProposer]})
     config = load_config(platform={"name": "envprobe"}, model={"source": str(model)}, proposer=proposer)
     return config, resolve(config, registry)
 

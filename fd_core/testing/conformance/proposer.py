@@ -1,4 +1,4 @@
-"""Conformance kit for speculative proposers: proposals fit their budgets and the vocabulary, and follow from the tokens.
+"""Conformance kit for speculative proposers: proposals fit budgets and vocabulary, and follow from the tokens.
 
 Use it from a proposer's own pytest::
 
@@ -125,7 +125,8 @@ def _where(seed: int, step: int, most: int) -> str:
     return f"seed {seed}, step {step}, max_proposed_tokens {most}"
 
 
-def _propose(proposer: Proposer | _Watched, requests: Sequence[Request], budgets: Sequence[int], where: str) -> list[list[int]]:
+def _propose(proposer: Proposer | _Watched, requests: Sequence[Request], budgets: Sequence[int],
+             where: str) -> list[list[int]]:
     """``proposer.propose``, its answer's shape checked (every run needs it to go on)."""
     name = proposer.label if isinstance(proposer, _Watched) else type(proposer).__name__
     proposals = proposer.propose(requests, budgets)
@@ -133,7 +134,7 @@ def _propose(proposer: Proposer | _Watched, requests: Sequence[Request], budgets
         size = len(proposals) if isinstance(proposals, Sequence) else "no"
         raise broken(SEAM, SHAPE, f"{name}.propose() for {len(requests)} requests returned {type(proposals).__name__} "
                                   f"of {size} entries ({where})")
-    for request, budget, proposal in zip(requests, budgets, proposals):
+    for request, budget, proposal in zip(requests, budgets, proposals, strict=True):
         if not isinstance(proposal, list) or len(proposal) > budget:
             got = f"{len(proposal)} tokens" if isinstance(proposal, Sequence) else type(proposal).__name__
             raise broken(SEAM, SHAPE, f"{name} proposed {got} for request {request.request_id!r} with a budget of "
@@ -179,7 +180,7 @@ def _run(proposer: Proposer | _Watched, seed: int, most: int = MOST[1], *, obser
         proposals = _propose(proposer, requests, budgets, where)
         if inspect is not None:
             inspect(requests, budgets, proposals, where)
-        for case, proposal in zip(decoding, proposals):
+        for case, proposal in zip(decoding, proposals, strict=True):
             log.append((case.request.request_id, proposal))
             accepted = _accepted(proposal, case.future)
             if observe:
@@ -198,7 +199,7 @@ def _budgets(kit: _Kit) -> None:
 
 def _token_ids(kit: _Kit) -> None:
     def inspect(requests: Sequence[Request], budgets: Sequence[int], proposals: list[list[int]], where: str) -> None:
-        for request, proposal in zip(requests, proposals):
+        for request, proposal in zip(requests, proposals, strict=True):
             for token in proposal:
                 if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < VOCAB_SIZE:
                     raise broken(SEAM, TOKENS, f"{kit.cls.__name__} proposed {token!r} ({type(token).__name__}) for "
@@ -222,7 +223,7 @@ def _empty(kit: _Kit) -> None:
 def _deterministic(kit: _Kit) -> None:
     for seed in SEEDS:
         first, second = _run(kit.build(), seed), _run(kit.build(), seed)
-        for index, (one, other) in enumerate(zip(first, second)):
+        for index, (one, other) in enumerate(zip(first, second, strict=True)):
             if one != other:
                 raise broken(SEAM, DETERMINISTIC, f"two fresh {kit.cls.__name__} given the same calls differ at "
                                                   f"proposal {index} (seed {seed}): request {one[0]!r} got "
@@ -251,7 +252,7 @@ def _rebuilds(kit: _Kit) -> None:
                                            "changed, a prompt replaced) under the same request ids")
     for request in requests:
         watched.forget(request.request_id)
-    for request, other in zip(requests, _cases(seed + 1)):   # ids come back with other tokens
+    for request, other in zip(requests, _cases(seed + 1), strict=True):   # ids come back with other tokens
         request.prompt_token_ids = list(other.request.prompt_token_ids)
         request.output_token_ids = list(other.request.output_token_ids)
         request.num_computed_tokens = request.num_tokens - 1
@@ -262,7 +263,7 @@ def _same_as_fresh(kit: _Kit, watched: Proposer, requests: list[Request], when: 
     budgets = [MOST[1]] * len(requests)
     seen = _propose(watched, requests, budgets, when)
     fresh = _propose(kit.build(), requests, budgets, f"a fresh proposer, {when}")
-    for request, one, other in zip(requests, seen, fresh):
+    for request, one, other in zip(requests, seen, fresh, strict=True):
         if one != other:
             raise broken(SEAM, REBUILDS, f"{kit.cls.__name__} proposed {one!r:.80} for request "
                                          f"{request.request_id!r} ({request.num_tokens} tokens) {when}; a fresh one "

@@ -69,7 +69,7 @@ class AppendsItsGuess(NgramProposer):
 
     def propose(self, requests: Sequence[Request], budgets: Sequence[int]) -> list[list[int]]:
         proposals = super().propose(requests, budgets)
-        for request, proposal in zip(requests, proposals):
+        for request, proposal in zip(requests, proposals, strict=True):
             request.output_token_ids.extend(proposal)
         return proposals
 
@@ -100,8 +100,8 @@ def _case(cls: type, check: str, *words: str) -> Any:
                                               "two fresh SeededPerInstance given the same calls differ at proposal 0 "
                                               "(seed 0): request 'r1' got ["),
     _case(RepeatsItsFirstGuess, "rebuilds", "proposer invariant 'without observe(), proposals depend on the tokens "
-                                            "alone, however they came' broken: RepeatsItsFirstGuess proposed ", "after watching the requests grow step by step; a fresh "
-                                            "one proposes "),
+                                            "alone, however they came' broken: RepeatsItsFirstGuess proposed ",
+          "after watching the requests grow step by step; a fresh one proposes "),
     _case(AppendsItsGuess, "unchanged", "proposer invariant 'propose, observe and forget leave the requests as they "
                                         "were' broken: AppendsItsGuess.propose() for ", " changed request ",
           ": output_token_ids"),
