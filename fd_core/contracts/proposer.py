@@ -17,6 +17,15 @@ on steps where it decodes (not necessarily every step), :meth:`Proposer.observe`
 that verified its proposal, and :meth:`Proposer.forget` once when it ends (any reason). A request
 may arrive with outputs already (a continuation, a preempted request): a proposer rebuilds what
 it keeps from ``prompt_token_ids`` and ``output_token_ids``, never from what it saw before.
+
+Invariants the engine relies on (``fd_core.testing.conformance.check_proposer`` checks them):
+- One list per request, in order, at most its budget long; every id a Python ``int`` in
+  ``[0, vocab_size)``.
+- The same calls give the same proposals; without :meth:`Proposer.observe` in between, what it
+  proposes for a request depends on the request's tokens alone, however they came.
+- :meth:`Proposer.propose`, :meth:`Proposer.observe` and :meth:`Proposer.forget` leave the requests
+  as they were (the engine core sets ``spec_token_ids`` from the answer); ``observe`` and
+  ``forget`` take requests never proposed for, or forgotten already.
 """
 
 from __future__ import annotations
