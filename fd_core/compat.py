@@ -41,6 +41,7 @@ BREAKING: Final[dict[int, dict[str, str]]] = {
         "guided_decoding": "the guided-decoding seam was added (a plugin of it cannot predate it)",
         "tool_parser": "the tool-parser seam was added (a plugin of it cannot predate it)",
         "reasoning_parser": "the reasoning-parser seam was added (a plugin of it cannot predate it)"},
+    5: {"proposer": "the proposer seam was added (a plugin of it cannot predate it)"},
 }
 
 #: Version -> what it changed compatibly (a plugin written before it needs no change for it).
@@ -51,6 +52,10 @@ ADDITIONS: Final[dict[int, str]] = {
        "the guided-decoding, tool-parser and reasoning-parser seams (fd.guided_decoding, fd.tool_parsers, "
        "fd.reasoning_parsers and their fd_register_* hooks) were added; "
        "Scheduler.note_capacity and Scheduler.drain were added (optional)",
+    5: "the proposer seam (fd.proposers entry points, the fd_register_proposers hook) was added; "
+       "Request.spec_token_ids was added (tokens a proposer guessed, which a resource manager may plan after the "
+       "known ones; a manager that ignores them keeps working, without speculation); TokenProcessor.process may "
+       "be called several times in one step, once per token of a verified run",
 }
 
 #: Deprecated versions keep loading (where their seam allows) up to, not including, this release.

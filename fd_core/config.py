@@ -22,6 +22,7 @@ from pydantic import (
     PrivateAttr,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -233,6 +234,28 @@ class ReasoningParserSection(SeamSection):
         "splits every chat reply with it (reasoning_content)."))
 
 
+class ProposerSection(SeamSection):
+    """The speculative proposer plugin (fd.proposers) that guesses the next tokens for the engine to verify."""
+
+    name: str = Field("none", description=(
+        "'none': no speculative decoding; a proposer's name (the built-in `ngram`: prompt lookup) proposes "
+        "tokens of each decoding request that the engine verifies in the same forward pass. Greedy outputs "
+        "are the same either way, sampled ones follow the same distribution; only the number of passes changes."))
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description=(
+        "The most tokens proposed for one request in one step (a proposer may propose fewer, or none)."))
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _needs_a_proposer(cls, value: int, info: ValidationInfo) -> int:
+        # a value other than the default with no proposer would be ignored (the sources are merged over
+        # the defaults, so "left at the default" is all that can be told apart)
+        default = cls.model_fields["num_speculative_tokens"].default
+        if info.data.get("name") == "none" and value != default:
+            raise ValueError(f"set to {value}, but proposer.name is 'none' (no speculative decoding): name the "
+                             f"proposer it is for (the built-in one is 'ngram'), or leave it at {default}")
+        return value
+
+
 class SplitwiseSection(_Section):
     """Prefill/decode disaggregation: this instance's role and the hand-off's time limits."""
 
@@ -376,6 +399,7 @@ class FdConfig(BaseSettings):
 
     tool_parser: ToolParserSection = ToolParserSection()
     reasoning_parser: ReasoningParserSection = ReasoningParserSection()
+    proposer: ProposerSection = ProposerSection()
     parallel: ParallelSection = ParallelSection()
     server: ServerSection = ServerSection()
     plugins: PluginsSection = PluginsSection()

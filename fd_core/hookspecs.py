@@ -27,6 +27,7 @@ Versions (``fd_core.compat`` lists what each changed; ``CHANGELOG.md`` says how 
   (``fd.guided_decoding``, ``fd_register_guided_decoding``), the tool-parser seam
   (``fd.tool_parsers``, ``fd_register_tool_parsers``) and the reasoning-parser seam
   (``fd.reasoning_parsers``, ``fd_register_reasoning_parsers``).
+* 5 — the speculative-proposer seam (``fd.proposers``, ``fd_register_proposers``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 PROJECT_NAME: Final = "fd"
 #: Bumped when a hook or a seam contract changes incompatibly.
-FD_HOOKSPEC_VERSION: Final = 4
+FD_HOOKSPEC_VERSION: Final = 5
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
@@ -92,6 +93,11 @@ def fd_register_tool_parsers() -> list[type]:
 @hookspec
 def fd_register_reasoning_parsers() -> list[type]:
     """Return ReasoningParser classes to register. Added in version 4."""
+
+
+@hookspec
+def fd_register_proposers() -> list[type]:
+    """Return Proposer classes to register. Added in version 5."""
 
 
 # --- decisions (firstresult; added in version 1) --------------------------------------------

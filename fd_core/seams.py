@@ -47,6 +47,7 @@ SEAMS: Final = (
     Seam("guided_decoding", "guided decoding backend", "guided_decoding", "GuidedDecodingBackend"),
     Seam("tool_parser", "tool parser", "tool_parsers", "ToolParser"),
     Seam("reasoning_parser", "reasoning parser", "reasoning_parsers", "ReasoningParser"),
+    Seam("proposer", "speculative proposer", "proposers", "Proposer"),
 )
 #: Seam name -> its descriptor.
 BY_NAME: Final = {seam.name: seam for seam in SEAMS}

@@ -30,16 +30,21 @@ if TYPE_CHECKING:
     from fd_core.contracts.platform import Platform
     from fd_core.model.architectures import ArchitecturePlugins
 
-CONNECTOR, ARCHITECTURE, GUIDED_DECODING = "connector", "architecture", "guided_decoding"
+CONNECTOR, ARCHITECTURE, GUIDED_DECODING, PROPOSER = "connector", "architecture", "guided_decoding", "proposer"
 #: ``guided_decoding.name`` values: off, and "the installed backend" (the built-in one first).
 NO_GUIDED_DECODING, AUTO_GUIDED_DECODING, BUILT_IN_GUIDED_DECODING = "none", "auto", "xgrammar"
 #: Connector name meaning "not a split deployment".
 NO_CONNECTOR = "none"
+#: Proposer name meaning "no speculative decoding".
+NO_PROPOSER = "none"
 #: Architecture name meaning "the plugin that declares the checkpoint's architecture".
 AUTO_ARCHITECTURE = "auto"
-#: (seam, name) pairs that load no plugin here: no connector, and the choices made once the model
-#: is known (its architecture, its chat template's parsers: fd_core.parser_choice).
-_NAMES_OF_NO_PLUGIN = ((CONNECTOR, NO_CONNECTOR), (ARCHITECTURE, AUTO_ARCHITECTURE),
+#: Seams whose name may select no plugin: that name and what it means (a bad name's error lists it).
+_OFF_NAMES = {CONNECTOR: (NO_CONNECTOR, "not a prefill/decode deployment"),
+              PROPOSER: (NO_PROPOSER, "no speculative decoding")}
+#: (seam, name) pairs that load no plugin here: no connector, no proposer, and the choices made once
+#: the model is known (its architecture, its chat template's parsers: fd_core.parser_choice).
+_NAMES_OF_NO_PLUGIN = (*((seam, off) for seam, (off, _) in _OFF_NAMES.items()), (ARCHITECTURE, AUTO_ARCHITECTURE),
                        (GUIDED_DECODING, NO_GUIDED_DECODING), (GUIDED_DECODING, AUTO_GUIDED_DECODING),
                        *((seam, name) for seam in PARSER_SEAMS for name in (AUTO, NONE)))
 #: Parallel sizes this build runs (a larger one must fail here, not after loading the model).
@@ -176,11 +181,12 @@ def _load(registry: Registry, seam: str, name: str) -> type:
             available = ", ".join([AUTO, NONE, *registry.names(seam)])
             raise ConfigError(f"{seam}.name", f"plugin {exc.plugin}: no such {seam.replace('_', ' ')}; available: "
                               f"{available} ({AUTO!r}: chosen by the chat template)") from exc
-        if seam != "connector":
+        if seam not in _OFF_NAMES:
             raise ConfigError(f"{seam}.name", str(exc)) from exc
-        available = ", ".join([NO_CONNECTOR, *registry.names(seam)])
-        raise ConfigError("connector.name", f"plugin {exc.plugin}: no such connector; available: {available} "
-                          f"({NO_CONNECTOR!r}: not a prefill/decode deployment)") from exc
+        off, meaning = _OFF_NAMES[seam]
+        available = ", ".join([off, *registry.names(seam)])
+        raise ConfigError(f"{seam}.name", f"plugin {exc.plugin}: no such {seam.replace('_', ' ')}; available: "
+                          f"{available} ({off!r}: {meaning})") from exc
     except PluginError as exc:
         raise ConfigError(f"{seam}.name", str(exc)) from exc
 

@@ -12,6 +12,7 @@ from fd_core.contracts.platform import DetectResult, MemoryProfile, Platform
 from fd_core.errors import ConfigError
 from fd_core.registry import Registry
 from fd_core.selection import resolve
+from fd_plugins.proposers.ngram import NgramProposer, NgramSettings
 from fd_plugins.resource_managers.v1.manager import V1ResourceManager
 from fd_plugins.schedulers.local import LocalScheduler
 from fd_plugins.token_processors.default import DefaultTokenProcessor
@@ -119,3 +120,53 @@ def test_v0_with_prefix_caching_on_names_the_key():
         resolve(config)
     assert resolve(load_config(resource_manager={"name": "v0"})).enable_prefix_caching is False
     assert resolve(load_config(resource_manager={"name": "v1"})).enable_prefix_caching is True
+
+
+def _proposer_selection(tmp_path, **proposer):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"")
+    registry = Registry.from_plugins({"platform": [EnvProbe], "scheduler": [LocalScheduler],
+                                      "resource_manager": [V1ResourceManager],
+                                      "token_processor": [DefaultTokenProcessor], "proposer": [NgramProposer]})
+    config = load_config(platform={"name": "envprobe"}, model={"source": str(model)}, proposer=proposer)
+    return config, resolve(config, registry)
+
+
+def test_no_proposer_is_selected_by_default_and_a_named_one_is_built_with_its_options(tmp_path):
+    _, selection = _proposer_selection(tmp_path)
+    assert "proposer" not in selection.plugins and "proposer" not in selection.summary()
+    config, selection = _proposer_selection(tmp_path, name="ngram", num_speculative_tokens=6,
+                                            options={"min_n": 3, "max_n": 5})
+    selected = selection.plugins["proposer"]
+    assert selected.settings == NgramSettings(min_n=3, max_n=5, adaptive=True)
+    # what the engine builder does
+    proposer = selected.create(max_proposed_tokens=config.proposer.num_speculative_tokens, vocab_size=512)
+    assert isinstance(proposer, NgramProposer) and proposer.max_proposed_tokens == 6 and proposer.vocab_size == 512
+    assert proposer.options.min_n == 3
+
+
+@pytest.mark.parametrize(("proposer", "problem"), [
+    ({"name": "eagle"}, "proposer.name: plugin fd.proposers/eagle: no such proposer; available: none, ngram "
+                        "('none': no speculative decoding)"),
+    ({"options": {"min_n": 2}}, "proposer.options: given, but proposer.name is 'none'; name the proposer plugin "
+                                "they are for, or remove them"),
+    ({"name": "ngram", "options": {"min_n": 5, "max_n": 3, "window": 2}},
+     "proposer.options.max_n: must be at least min_n (5), got 3\nproposer.options.window: Extra inputs are not "
+     "permitted"),
+])
+def test_a_bad_proposer_choice_names_the_key(tmp_path, proposer, problem):
+    with pytest.raises(ConfigError) as info:
+        _proposer_selection(tmp_path, **proposer)
+    assert str(info.value) == problem
+
+
+@pytest.mark.parametrize(("proposer", "problem"), [
+    ({"name": "ngram", "num_speculative_tokens": 0}, "Input should be greater than or equal to 1"),
+    ({"name": "ngram", "num_speculative_tokens": 17}, "Input should be less than or equal to 16"),
+    ({"num_speculative_tokens": 8}, "set to 8, but proposer.name is 'none' (no speculative decoding): name the "
+                                    "proposer it is for (the built-in one is 'ngram'), or leave it at 4"),
+])
+def test_num_speculative_tokens_is_bounded_and_needs_a_proposer(proposer, problem):
+    with pytest.raises(ConfigError) as info:
+        load_config(proposer=proposer)
+    assert str(info.value) == f"proposer.num_speculative_tokens: {problem}"

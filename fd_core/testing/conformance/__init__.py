@@ -22,6 +22,7 @@ model architecture     :func:`check_architecture`                    tiny random
 guided decoding        :func:`check_guided_decoding`                 a small vocabulary, walks along masks
 tool parser            :func:`check_tool_parser`                     its sample replies, every split
 reasoning parser       :func:`check_reasoning_parser`                its sample replies, every split
+speculative proposer   :func:`check_proposer`                        seeded simulated steps
 =====================  ============================================  ===========================
 
 ``run_<seam>_checks`` run the same checks without raising (one :class:`CheckResult` per check,
@@ -61,6 +62,11 @@ from fd_core.testing.conformance.platform import (
     run_platform_checks,
 )
 from fd_core.testing.conformance.plugin_check import check_names, run_plugin_checks
+from fd_core.testing.conformance.proposer import (
+    PROPOSER_CHECKS,
+    check_proposer,
+    run_proposer_checks,
+)
 from fd_core.testing.conformance.reasoning_parser import (
     REASONING_PARSER_CHECKS,
     check_reasoning_parser,
@@ -95,6 +101,7 @@ __all__ = [
     "DEFAULT_LIMITS",
     "GUIDED_DECODING_CHECKS",
     "PLATFORM_CHECKS",
+    "PROPOSER_CHECKS",
     "REASONING_PARSER_CHECKS",
     "SCHEDULER_CHECKS",
     "TOKEN_PROCESSOR_CHECKS",
@@ -110,6 +117,7 @@ __all__ = [
     "check_guided_decoding",
     "check_names",
     "check_platform",
+    "check_proposer",
     "check_reasoning_parser",
     "check_resource_manager",
     "check_scheduler",
@@ -121,6 +129,7 @@ __all__ = [
     "run_connector_checks",
     "run_guided_decoding_checks",
     "run_platform_checks",
+    "run_proposer_checks",
     "run_reasoning_parser_checks",
     "run_plugin_checks",
     "run_resource_manager_checks",

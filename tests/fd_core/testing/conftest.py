@@ -26,6 +26,7 @@ def broken_plugins():
         import fd_broken_plugins.connector
         import fd_broken_plugins.guided_decoding
         import fd_broken_plugins.platform
+        import fd_broken_plugins.proposer
         import fd_broken_plugins.resource_manager
         import fd_broken_plugins.scheduler
         import fd_broken_plugins.token_processor

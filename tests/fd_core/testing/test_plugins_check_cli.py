@@ -37,7 +37,8 @@ def test_a_built_in_passes_every_check():
 
 
 @pytest.mark.parametrize("name", ["fd.token_processors/default", "resource_manager/v1", "platform/cpu",
-                                  "tool_parser/hermes", "fd.reasoning_parsers/think", "guided_decoding/xgrammar"])
+                                  "tool_parser/hermes", "fd.reasoning_parsers/think", "guided_decoding/xgrammar",
+                                  "fd.proposers/ngram"])
 def test_other_built_ins_pass(name):
     result = _check(name)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -56,6 +57,8 @@ def test_other_built_ins_pass(name):
      "block buffers arrive byte-identical and stay valid until the next receive — block message 0 never arrived"),
     ("fd.guided_decoding/ignores-stop-ids", "stop_ids", "the mask allows the matcher's stop ids, and no other special "
                                                         "token, just where the output is complete — IgnoresStopIds: "),
+    ("proposer/ignores-budgets", "budgets", "one list per request, at most its budget long — IgnoresBudgets proposed "
+                                            "4 tokens for request 'r4' with a budget of 2"),
 ])
 def test_a_broken_plugin_fails_naming_the_invariant(broken_plugins_site, name, check, words):
     skip = ["--skip", "handoff,handoff_abort"] if name.startswith("connector/") else []

@@ -1,0 +1,1 @@
+"""Built-in speculative proposers: ``ngram`` (prompt lookup)."""
