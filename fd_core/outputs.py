@@ -67,7 +67,9 @@ class StepResult:
     ``sampled`` has an entry for exactly the rows whose ``sample`` flag was set, except rows in
     ``failed`` (guided decoding found no token their constraint allows): the core ends those.
     ``prompt_logprobs`` has an entry for the rows of requests that ``needs_prompt_logprobs`` whose
-    chunk computed prompt positions they did not have yet.
+    chunk computed prompt positions they did not have yet. A row that computed proposed tokens has an
+    entry in ``num_proposed``, and in ``accepted`` when it accepted some: its tokens this step are
+    those, then its ``sampled`` token.
     """
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)   # request id -> token
@@ -75,6 +77,11 @@ class StepResult:
     # request id -> the logprobs of the prompt tokens this step predicted, in position order, going on
     # from the end of ``request.prompt_logprobs`` (``token_id`` is the prompt token; the core appends them)
     prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # request id -> the proposed tokens (``Request.spec_token_ids``) the step verified and accepted, in
+    # order; its entry in ``sampled`` follows them (the model's token after the last accepted one)
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # request id -> how many proposed tokens its row computed (accepted or not)
+    num_proposed: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> StepResult:

@@ -140,6 +140,7 @@ class SamplingParams:
     guided: GuidedDecoding | None = None   # a constraint on the output (guided decoding); None: free
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     prompt_logprobs: int | None = None   # top-n logprobs per prompt position (from the second on); None: off
+    speculate: bool = True   # False: never verify proposed tokens for it (speculative decoding, when configured)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
@@ -187,6 +188,13 @@ class SamplingParams:
                 or bool(self.logit_bias) or self.guided is not None)
 
     @property
+    def speculable(self) -> bool:
+        """Whether the runner can verify proposed tokens for it: asked for (``speculate``), and no
+        penalty, bias, constraint or seed, whose outputs would depend on the tokens accepted before in
+        the same step (penalties, constraints) or on how many draws a step takes (a seed)."""
+        return self.speculate and not self.shapes_logits and self.seed is None
+
+    @property
     def greedy(self) -> bool:
         """Temperatures below :data:`MIN_TEMPERATURE` act as 0: dividing float32 logits by them
         overflows to inf, and every row would pick token 0."""
@@ -224,6 +232,9 @@ class Request:
     # Logprobs of prompt positions 1, 2, ... computed so far (``sampling_params.prompt_logprobs``),
     # entry i for prompt token i + 1; the engine core hands them to the first output, then drops them.
     prompt_logprobs: list[SampledToken] = field(default_factory=list)
+    # Tokens a proposer guessed follow the known ones (speculative decoding), set by the engine core
+    # for one step: a resource manager may plan them after the known tokens, the runner verifies them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -252,11 +263,21 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Known tokens plus the proposed ones of this step (``spec_token_ids``): how far a resource
+        manager that plans proposals may plan the request."""
+        return self.num_tokens + len(self.spec_token_ids)
+
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens ``[start, stop)`` of prompt + outputs, without building the full list."""
+        """Tokens ``[start, stop)`` of prompt + outputs + proposed tokens, without building the full list."""
         n_prompt = len(self.prompt_token_ids)
         if stop <= n_prompt:
             return self.prompt_token_ids[start:stop]
+        known = self.num_tokens
+        if stop > known:   # reaches into this step's proposals
+            head = self.token_slice(start, known) if start < known else []
+            return head + self.spec_token_ids[max(start - known, 0):stop - known]
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:stop - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]

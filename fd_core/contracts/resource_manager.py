@@ -20,6 +20,13 @@ Invariants every implementation keeps (checked by ``fd_core.testing.conformance`
   scheduled again later (recompute); its id appears in ``plan.preempted_ids``.
 - A request whose ``needs_prompt_logprobs`` is true is planned from position 0: no prefix-cache
   hits (it computes every prompt position). The core ends one that skipped positions with an error.
+- Speculative decoding (hookspec version 5): a running request may carry proposed tokens
+  (``request.spec_token_ids``) after its known ones. A manager may plan them in the request's row,
+  up to ``request.num_tokens_with_spec`` (they count against the token budget and need blocks like
+  known tokens); ``sample`` is set when the row reaches ``request.num_tokens``. After the step the core
+  lowers ``num_computed_tokens`` to the accepted positions (a rejected position's K/V is
+  overwritten later in the blocks the request keeps). A manager that plans only known tokens
+  (``request.num_tokens``) stays correct: its requests just decode one token per step.
 """
 
 from __future__ import annotations

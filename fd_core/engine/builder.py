@@ -137,10 +137,13 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
 
         tracer = HookTracer()
         tracer.install(selection.registry.plugin_manager)
+    proposer = selection.plugins.get("proposer")   # speculative decoding; absent when proposer.name is 'none'
     core = EngineCore(scheduler=scheduler, resource_manager=resource_manager, token_processor=token_processor,
                       runner=runner, limits=limits, hooks=hooks, tokenizer=loaded.tokenizer,
                       model_name=model_name, config=config, handoff=handoff, hook_tracer=tracer,
-                      constraints=constraints)
+                      constraints=constraints,
+                      proposer=None if proposer is None else proposer.create(
+                          max_proposed_tokens=config.proposer.num_speculative_tokens, vocab_size=arch.vocab_size))
     handoff.start(core.wake)
     return core
 

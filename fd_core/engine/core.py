@@ -8,9 +8,11 @@ Each step:
    and end the requests the scheduler gave up (``take_cancelled``);
 2. take new requests from the request scheduler while the resource manager has room for them
    (the rest stay in the scheduler, where its ordering hook, TTL and size limit apply);
-3. ``resource_manager.schedule()`` plans the batch;
-4. the runner computes it and samples;
-5. ``token_processor.process`` turns tokens into outputs and *reports* finishes in them; the core
+3. with a proposer (speculative decoding, :mod:`fd_core.engine.speculation`), decoding requests
+   get proposed tokens; ``resource_manager.schedule()`` plans the batch;
+4. the runner computes it and samples (and verifies proposals);
+5. ``token_processor.process`` turns tokens into outputs and *reports* finishes in them (once per
+   token of a verified run, then the rows' computed counts are rolled back to what was accepted); the core
    gathers each request's prompt logprobs (``SamplingParams.prompt_logprobs``) over its prefill
    chunks and puts them on its first output;
 6. the core ends every finished request (:meth:`EngineCore._end`) and
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from fd_core.engine.fair_share import FairShare
+from fd_core.engine.speculation import Speculation
 from fd_core.errors import PluginError, QueueFullError, RequestError
 from fd_core.outputs import RequestMetrics, RequestOutput, ScheduledRequest, StepPlan, StepResult
 from fd_core.plugin_guard import FailureReporter, GuardedHooks, plugin_label
@@ -57,6 +60,7 @@ from fd_core.splitwise.roles import MIXED, EngineHandoff
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
+    from fd_core.contracts.proposer import Proposer
     from fd_core.contracts.resource_manager import KVLimits, KVStats, ResourceManager
     from fd_core.contracts.scheduler import Scheduler
     from fd_core.contracts.token_processor import TokenProcessor
@@ -86,6 +90,8 @@ class EngineStats:
     scheduler: dict[str, Any]       # the scheduler's own figures (Scheduler.stats), now
     splitwise: dict[str, Any]       # the hand-off's counters (prefill and decode instances)
     hooks: list[dict[str, Any]]     # per hook implementation: calls, errors, seconds (plugins.trace_hooks)
+    num_proposed_tokens: int = 0    # speculative decoding: proposed tokens the runner verified
+    num_accepted_tokens: int = 0    # and those it accepted (also in num_generated_tokens)
 
 
 class EngineCore:
@@ -95,11 +101,11 @@ class EngineCore:
                  token_processor: TokenProcessor, runner: ModelRunner | Any, limits: KVLimits,
                  hooks: Any, tokenizer: Any, model_name: str, config: FdConfig | None = None,
                  handoff: EngineHandoff = MIXED, hook_tracer: HookTracer | None = None,
-                 constraints: Constraints | None = None) -> None:
+                 constraints: Constraints | None = None, proposer: Proposer | None = None) -> None:
         """``handoff``: this instance's part in prefill/decode hand-offs (``fd_core.splitwise``);
         ``hook_tracer``: per-hook figures for :meth:`stats` (``plugins.trace_hooks``);
         ``constraints``: guided decoding, shared with the runner's sampler (None: requests with a
-        constraint are refused)."""
+        constraint are refused); ``proposer``: speculative decoding (None: off)."""
         self.config = config
         self.constraints = constraints
         self.scheduler = scheduler
@@ -123,6 +129,7 @@ class EngineCore:
         self._idle = True                        # the last step had nothing to do
         self._wakeup = threading.Event()         # set by wake(): an idle loop with no room waits on it
         self._failures = FailureReporter()
+        self._speculation = Speculation(proposer, max_model_len=limits.max_model_len, failures=self._failures)
         self._started = False                    # start() ran (fd_engine_started was called)
         self._closed = False                     # close() ran
         self._num_steps = 0
@@ -269,10 +276,14 @@ class EngineCore:
         outputs = self._apply_aborts()
         outputs += self._apply_handoff()
         self._take_in()
-        plan = self.resource_manager.schedule()
-        self.handoff.planned(plan)
-        if not plan.is_empty:
-            outputs.extend(self._execute(plan))
+        self._speculation.propose(self._in_engine.values())
+        try:
+            plan = self.resource_manager.schedule()
+            self.handoff.planned(plan)
+            if not plan.is_empty:
+                outputs.extend(self._execute(plan))
+        finally:
+            self._speculation.clear()
         self._idle = plan.is_empty and not outputs
         self._stats = self._collect_stats()
         self._tell(self.scheduler, "note_capacity", self._stats.kv, self._room())
@@ -310,7 +321,8 @@ class EngineCore:
 
     def _collect_stats(self) -> EngineStats:
         return EngineStats(self.resource_manager.stats(), self.scheduler.num_waiting(), self._num_steps,
-                           self._num_prompt_tokens, self._num_generated_tokens, {}, {}, [])
+                           self._num_prompt_tokens, self._num_generated_tokens, {}, {}, [],
+                           self._speculation.num_proposed_tokens, self._speculation.num_accepted_tokens)
 
     def _scheduler_stats(self) -> dict[str, Any]:
         try:
@@ -460,7 +472,7 @@ class EngineCore:
         (guided decoding left no token) and those whose prompt logprobs are incomplete."""
         due = {row.request.request_id: row.request for row in plan.scheduled
                if row.request.needs_prompt_logprobs and row.request.request_id in result.sampled}
-        outputs = self.token_processor.process(plan, result)
+        outputs = self._speculation.process(self.token_processor, plan, result)
         incomplete = []
         for output in outputs:
             request = due.get(output.request_id)
@@ -529,7 +541,7 @@ class EngineCore:
         for row in plan.scheduled:
             n_prompt = row.request.num_prompt_tokens
             self._num_prompt_tokens += max(0, min(row.start + row.num_new_tokens, n_prompt) - row.start)
-        self._num_generated_tokens += len(result.sampled)
+        self._num_generated_tokens += len(result.sampled) + sum(map(len, result.accepted.values()))
 
     def _apply_aborts(self) -> list[RequestOutput]:
         endings: dict[str, _Ending] = {}
@@ -569,6 +581,7 @@ class EngineCore:
             self.runner.release([request_id])
             self._tell(self.token_processor, "forget", request_id)
             self._tell(self.handoff, "forget", request_id)
+            self._speculation.forget(request_id)
             if output is None:
                 output = RequestOutput(request_id, num_prompt_tokens=request.num_prompt_tokens,
                                        num_output_tokens=len(request.output_token_ids),

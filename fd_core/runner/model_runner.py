@@ -38,6 +38,10 @@ class TokenSampler(Protocol):
         """Pick one token per row of float32 ``logits [len(requests), vocab]``."""
         ...
 
+    def verify(self, raw: np.ndarray, request: Request, proposed: list[int]) -> list[SampledToken]:
+        """The accepted prefix of ``proposed`` then one more token, from float32 ``raw [len(proposed) + 1, vocab]``."""
+        ...
+
     def forget(self, request_id: str) -> None:
         """Drop any per-request state (seeded generators, penalty counts)."""
         ...
@@ -82,6 +86,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Compute every scheduled row and sample a token for each row with ``sample`` set; for rows
         of requests that ``needs_prompt_logprobs``, the logprobs of the prompt tokens they predict.
+        A row that computes proposed tokens (``request.spec_token_ids``) after its known ones has them
+        verified instead (:mod:`fd_core.runner.speculative`): ``result.accepted`` and ``result.sampled``.
 
         Raises ``ValueError`` (before touching the cache) when a row's positions exceed the
         model's context or its block table cannot hold them.
@@ -96,22 +102,37 @@ class ModelRunner:
                                  f"beyond max_position_embeddings="
                                  f"{self.arch.max_position_embeddings}")
         prompt_positions = {i: positions for i, row in enumerate(rows) if (positions := _prompt_positions(row))}
+        spec_positions = {i: positions for i, row in enumerate(rows) if (positions := _spec_positions(row))}
+        assert not prompt_positions.keys() & spec_positions.keys(), "a row predicts prompt and proposed tokens"
         attn = build_attention_metadata(rows, block_size=self.block_size,
                                         num_blocks=self.num_blocks,
                                         num_heads=self.arch.num_attention_heads,
                                         num_kv_heads=self.arch.num_key_value_heads,
                                         dtype=self.dtype, gather_inputs=self.kernels.reads_gather_inputs,
-                                        extra_logits=prompt_positions)
+                                        extra_logits={**prompt_positions, **spec_positions})
         token_ids = np.fromiter(
             (t for row in rows
              for t in row.request.token_slice(row.start, row.start + row.num_new_tokens)),
             np.int64, attn.num_tokens)
         logits = self.model.forward(paddle.to_tensor(token_ids), attn, self.kv_caches)
-        requests = [row.request for row in rows if row.sample]
+        sampling_rows = [i for i, row in enumerate(rows) if row.sample]   # logits row k is rows[sampling_rows[k]]
         result = StepResult()
-        if prompt_positions:   # their logits follow the sampling rows' (build_attention_metadata)
-            result.prompt_logprobs = _prompt_logprobs(logits[len(requests):], rows, prompt_positions)
-            logits = logits[:len(requests)]
+        extra = {**prompt_positions, **spec_positions}
+        if extra:   # their logits follow the sampling rows' (build_attention_metadata)
+            extra_logits = _host_rows(logits[len(sampling_rows):], extra)
+            logits = logits[:len(sampling_rows)]
+            if prompt_positions:
+                result.prompt_logprobs = _prompt_logprobs(extra_logits, rows, prompt_positions)
+            if spec_positions:
+                last = _host_rows(logits, {k: range(1) for k in range(len(sampling_rows))})
+                for k, i in enumerate(sampling_rows):
+                    if i in spec_positions:
+                        self._verify(rows[i].request, np.concatenate([extra_logits[i], last[k]]), result)
+                kept = [k for k, i in enumerate(sampling_rows) if i not in spec_positions]
+                sampling_rows = [sampling_rows[k] for k in kept]
+                if kept:
+                    logits = paddle.gather(logits, paddle.to_tensor(kept))
+        requests = [rows[i].request for i in sampling_rows]
         if not requests:
             return result
         sampled = self.sampler.sample(logits, requests)
@@ -121,6 +142,16 @@ class ModelRunner:
             else:
                 result.failed[request.request_id] = token.error
         return result
+
+    def _verify(self, request: Request, logits: np.ndarray, result: StepResult) -> None:
+        """Verify the proposed tokens of ``request``'s row from its logits [proposed + 1, V]: the
+        accepted ones go to ``result.accepted``, the model's next token to ``result.sampled``."""
+        proposed = request.spec_token_ids[:len(logits) - 1]
+        *accepted, last = self.sampler.verify(logits, request, proposed)
+        result.num_proposed[request.request_id] = len(proposed)
+        if accepted:
+            result.accepted[request.request_id] = accepted
+        result.sampled[request.request_id] = last
 
     def warm_up(self) -> float:
         """Run a short prefill, then one decode step, through the chosen kernels; returns seconds.
@@ -169,18 +200,41 @@ def _prompt_positions(row: ScheduledRequest) -> range | None:
     return positions or None
 
 
-def _prompt_logprobs(logits: paddle.Tensor, rows: list[ScheduledRequest],
-                     positions: Mapping[int, range]) -> dict[str, list[SampledToken]]:
-    """Request id -> the logprobs of the prompt tokens at ``positions`` + 1 of each row, whose
-    float32 ``logits`` come in row order."""
+def _spec_positions(row: ScheduledRequest) -> range | None:
+    """Positions of ``row`` whose logits verify its proposed tokens (``request.spec_token_ids``), or
+    None: from its last known token's (which predicts the first proposal) to the one before its last
+    proposal's (the row's last position, a sampling row's own logits, predicts the token after it)."""
+    known = row.request.num_tokens
+    num_proposed = row.start + row.num_new_tokens - known
+    if not row.sample or num_proposed <= 0:
+        return None
+    assert row.start < known, "a row computing proposals computes the last known token too"
+    return range(known - 1, known - 1 + num_proposed)
+
+
+def _host_rows(logits: paddle.Tensor, spans: Mapping[int, range]) -> dict[int, np.ndarray]:
+    """Row index -> its float32 logits on the host [len(span), V]; ``logits`` hold the spans' rows
+    one after the other, in row order."""
+    if logits.dtype != paddle.float32:   # numpy has no bfloat16
+        logits = logits.astype("float32")
     host = np.from_dlpack(logits.cpu())   # zero-copy on CPU; read only
     out, offset = {}, 0
-    for i, span in sorted(positions.items()):
+    for i, span in sorted(spans.items()):
+        out[i] = host[offset:offset + len(span)]
+        offset += len(span)
+    return out
+
+
+def _prompt_logprobs(logits: Mapping[int, np.ndarray], rows: list[ScheduledRequest],
+                     positions: Mapping[int, range]) -> dict[str, list[SampledToken]]:
+    """Request id -> the logprobs of the prompt tokens at ``positions`` + 1 of each row, from each
+    row's logits at those positions."""
+    out = {}
+    for i, span in positions.items():
         request = rows[i].request
         targets = np.asarray(request.prompt_token_ids[span.start + 1:span.stop + 1], np.int64)
-        out[request.request_id] = token_logprobs(host[offset:offset + len(span)], targets,
+        out[request.request_id] = token_logprobs(logits[i], targets,
                                                  [request.sampling_params.prompt_logprobs or 0] * len(span))
-        offset += len(span)
     return out
 
 

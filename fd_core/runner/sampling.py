@@ -297,6 +297,13 @@ class Sampler:
             out[row] = SampledToken(-1, error=reason)
         return out
 
+    def verify(self, raw: np.ndarray, request: Request, proposed: list[int]) -> list[SampledToken]:
+        """The accepted prefix of ``proposed`` then the model's next token, from ``raw`` float32
+        [len(proposed) + 1, V] (:func:`fd_core.runner.speculative.verify`; the request is speculable)."""
+        from fd_core.runner.speculative import verify
+
+        return verify(raw, proposed, request.sampling_params, self._rng)
+
     def _sample_rows(self, x: np.ndarray, requests: list[Request]) -> np.ndarray:
         """Temperature, filters and one inverse-CDF draw per row of ``x`` (modified in place).
 

@@ -56,6 +56,10 @@ class _EngineCollector(Collector):
                                   value=stats["num_prompt_tokens"])
         yield CounterMetricFamily("fd_generation_tokens", "Tokens generated.", value=stats["num_generated_tokens"])
         yield CounterMetricFamily("fd_engine_steps", "Engine steps run.", value=stats["num_steps"])
+        yield CounterMetricFamily("fd_spec_proposed_tokens", "Proposed tokens verified (speculative decoding).",
+                                  value=stats["num_proposed_tokens"])
+        yield CounterMetricFamily("fd_spec_accepted_tokens", "Proposed tokens accepted (speculative decoding).",
+                                  value=stats["num_accepted_tokens"])
         yield from _scheduler_metrics(stats.get("scheduler") or {})
         yield from _figure_metrics("fd_splitwise", "Prefill/decode hand-off", stats.get("splitwise") or {},
                                    gauges=_SPLITWISE_GAUGES)

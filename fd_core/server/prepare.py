@@ -192,7 +192,7 @@ def _sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | 
         frequency_penalty=pick(body.frequency_penalty, 0.0), seed=body.seed, stop=body.stop_list(),
         stop_token_ids=list(body.stop_token_ids or ()), include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=body.n, guided=guided,
-        logit_bias=body.token_biases())
+        logit_bias=body.token_biases(), speculate=body.speculate)
 
 
 def _validated(params: SamplingParams, renames: dict[str, str]) -> SamplingParams:

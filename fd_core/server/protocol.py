@@ -145,6 +145,7 @@ class _SamplingFields(_Body):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
     priority: Priority = 0     # vLLM: scheduling priority, lower first (Request.priority), not a sampling field
+    speculate: StrictBool = True   # ours: false opts the request out of speculative decoding (SamplingParams.speculate)
     # OpenAI fields accepted and ignored
     user: str | None = None
     metadata: dict[str, Any] | None = None

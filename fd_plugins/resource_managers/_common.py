@@ -124,16 +124,17 @@ class QueuedBlockManager(ResourceManager):
         request.admitted_time = time.time()
 
     def _row(self, request: Request, num_new_tokens: int, now: float) -> ScheduledRequest:
-        """Plan ``num_new_tokens`` tokens of ``request`` and advance its computed count at once."""
+        """Plan ``num_new_tokens`` tokens of ``request`` (its proposed tokens may follow the known ones)
+        and advance its computed count at once."""
         start = request.num_computed_tokens
         end = start + num_new_tokens
-        num_tokens = request.num_tokens
         ids = self.tables[request.request_id].ids
-        assert num_new_tokens >= 1 and end <= num_tokens and len(ids) * self.limits.block_size >= end
+        assert (num_new_tokens >= 1 and end <= request.num_tokens_with_spec
+                and len(ids) * self.limits.block_size >= end)
         request.num_computed_tokens = end
         if request.scheduled_time is None:
             request.scheduled_time = now
-        return ScheduledRequest(request, start, num_new_tokens, ids.copy(), sample=end == num_tokens)
+        return ScheduledRequest(request, start, num_new_tokens, ids.copy(), sample=end >= request.num_tokens)
 
     def _release(self, request: Request) -> None:
         """Give back every block of ``request`` (tail first) if it holds any."""

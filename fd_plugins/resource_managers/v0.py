@@ -3,8 +3,9 @@
 Model (after FastDeploy's first resource manager): a request takes one of ``max_num_seqs``
 slots and the blocks of its whole prompt when admitted, computes the prompt in one step (no
 chunked prefill, whatever ``enable_chunked_prefill`` says), then decodes one token per step,
-taking one more block whenever its next token crosses a block boundary. Nothing is ever
-preempted and there is no prefix caching.
+taking one more block whenever its next token crosses a block boundary (with speculative
+decoding, its proposed tokens run with its last one, as far as the step's budget allows). Nothing
+is ever preempted and there is no prefix caching.
 
 Admission rule, and why it cannot deadlock: the head of ``waiting`` (FIFO) is admitted only if
 the free blocks, minus the blocks already promised to running requests, cover its whole life:
@@ -93,9 +94,10 @@ class V0ResourceManager(QueuedBlockManager):
     def _schedule_running(self, plan: StepPlan, budget: int, now: float) -> int:
         """Add a row for each running request that has room; return the budget left."""
         for request in self.running:
-            n = request.num_tokens - request.num_computed_tokens
-            if n == 0 or n > budget:
+            known = request.num_tokens - request.num_computed_tokens
+            if known == 0 or known > budget:
                 continue
+            n = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)   # with its proposals
             missing = self._blocks_missing(request, request.num_computed_tokens + n)
             if missing:
                 own = min(missing, self._promised[request.request_id])

@@ -4,7 +4,8 @@ Mental model (after vLLM v1 and FastDeploy's ResourceManagerV1): there are no pr
 phases. Each request has ``num_tokens`` known tokens, of which ``num_computed_tokens`` have K/V
 in the cache; every step hands out at most ``max_num_batched_tokens`` tokens so that computed
 counts catch up. One prompt may take several steps (chunked prefill); a decode row is simply a
-request one token behind.
+request one token behind, or one token plus its proposed tokens (``Request.spec_token_ids``,
+speculative decoding), which count against the budget like any other.
 
 ``schedule`` in order:
 
@@ -105,7 +106,7 @@ class V1ResourceManager(QueuedBlockManager):
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            behind = request.num_tokens - request.num_computed_tokens
+            behind = request.num_tokens_with_spec - request.num_computed_tokens   # proposals count too
             if behind == 0:
                 i += 1
                 continue
