@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fd_core.contracts._base import SeamPlugin
@@ -39,18 +40,32 @@ from fd_core.contracts._base import SeamPlugin
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
+    from fd_core.model.kernels import KernelSet
     from fd_core.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRuntime:
+    """How the engine runs its model on this machine, for a proposer that runs a model of its own."""
+
+    kernels: KernelSet   # the kernels the platform's capabilities chose
+    device: str          # the paddle device, e.g. "cpu"
+    dtype: str           # model.dtype
 
 
 class Proposer(SeamPlugin, ABC):
     """Proposes draft tokens for the engine to verify (``fd.proposers``)."""
 
-    def __init__(self, settings: BaseModel | None, *, max_proposed_tokens: int, vocab_size: int) -> None:
+    def __init__(self, settings: BaseModel | None, *, max_proposed_tokens: int, vocab_size: int,
+                 runtime: ModelRuntime | None = None) -> None:
         """``max_proposed_tokens`` is ``proposer.num_speculative_tokens``, the most any request gets
-        per step; ``vocab_size`` bounds the token ids it may propose."""
+        per step; ``vocab_size`` bounds the token ids it may propose; ``runtime`` is how the engine
+        runs its model (None outside an engine, e.g. in the conformance kit: the portable kernels on
+        the CPU)."""
         self.settings = settings
         self.max_proposed_tokens = max_proposed_tokens
         self.vocab_size = vocab_size
+        self.runtime = runtime
 
     @abstractmethod
     def propose(self, requests: Sequence[Request], budgets: Sequence[int]) -> list[list[int]]:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fd_core.contracts.proposer import ModelRuntime
 from fd_core.contracts.resource_manager import KVLimits
 from fd_core.errors import ConfigError
 from fd_core.host_memory import release_freed_memory
@@ -143,7 +144,8 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
                       model_name=model_name, config=config, handoff=handoff, hook_tracer=tracer,
                       constraints=constraints,
                       proposer=None if proposer is None else proposer.create(
-                          max_proposed_tokens=config.proposer.num_speculative_tokens, vocab_size=arch.vocab_size))
+                          max_proposed_tokens=config.proposer.num_speculative_tokens, vocab_size=arch.vocab_size,
+                          runtime=ModelRuntime(kernels, platform.device_string(), config.model.dtype)))
     handoff.start(core.wake)
     return core
 

@@ -9,7 +9,10 @@ kernels) over its own paged KV pool of ``num_blocks`` blocks. Per step, for the 
    (the accepted prefix of its last proposal), so a rejected guess costs only its positions, and a
    request that arrives with outputs (a continuation) is simply caught up from its tokens.
 2. **Draft**: the argmax of that pass is the first guess; each further guess is one batched decode
-   pass over the requests still drafting, up to each one's budget.
+   pass over the requests still drafting, up to each one's budget. With ``adaptive`` (the default)
+   that budget follows the request's acceptance as for ``ngram`` (``fd_plugins.proposers.adaptive``):
+   a request whose guesses keep failing is asked for fewer, then none (the draft then skips it,
+   and catches up when it is asked again).
 
 A request the pool has no room for gets no proposal this step (it decodes normally); the blocks of
 a request are freed by :meth:`DraftProposer.forget`. The draft must share the target's tokenizer:
@@ -29,9 +32,10 @@ from fd_core.errors import ConfigError
 from fd_core.hookspecs import FD_HOOKSPEC_VERSION
 from fd_core.outputs import ScheduledRequest, StepPlan
 from fd_core.request import Request, SamplingParams
+from fd_plugins.proposers.adaptive import AdaptiveBudget
 
 if TYPE_CHECKING:
-    from fd_core.model.kernels import KernelSet
+    from fd_core.contracts.proposer import ModelRuntime
 
 
 class DraftSettings(BaseModel):
@@ -43,6 +47,9 @@ class DraftSettings(BaseModel):
                                    "target's vocabulary (the same tokenizer).")
     num_blocks: int = Field(256, ge=1, description="KV blocks of the draft's own pool.")
     block_size: int = Field(16, ge=1, description="Tokens per KV block of the draft's pool.")
+    adaptive: bool = Field(True, description=(
+        "Ask each request for fewer guesses while they are rejected, then none (with a one-token probe every "
+        "few steps), as ngram does (fd_plugins/proposers/adaptive.py)."))
 
 
 @dataclass(slots=True)
@@ -52,6 +59,7 @@ class _Drafted:
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)   # those the draft computed (or is computing), in order
     known: int = 0   # how many of ``tokens`` came from the request (the rest are its guesses)
+    budget: AdaptiveBudget | None = None   # None: not adaptive
 
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -65,10 +73,10 @@ class DraftProposer(Proposer):
     settings_model: ClassVar[type[BaseModel]] = DraftSettings
 
     def __init__(self, settings: DraftSettings | None, *, max_proposed_tokens: int, vocab_size: int,
-                 kernels: KernelSet | None = None, device: str = "cpu") -> None:
+                 runtime: ModelRuntime | None = None) -> None:
         if settings is None:
             raise ConfigError("proposer.options.model", "the draft proposer needs the draft model's source")
-        super().__init__(settings, max_proposed_tokens=max_proposed_tokens, vocab_size=vocab_size)
+        super().__init__(settings, max_proposed_tokens=max_proposed_tokens, vocab_size=vocab_size, runtime=runtime)
         from fd_core.model.kernels import PORTABLE_KERNELS
         from fd_core.model.loader import load_model
         from fd_core.runner.model_runner import ModelRunner
@@ -80,8 +88,9 @@ class DraftProposer(Proposer):
                               f"{loaded.arch.vocab_size} tokens, the served model {vocab_size}: a draft must "
                               "share the served model's tokenizer")
         self.runner = ModelRunner(loaded.architecture, loaded.arch, loaded.weights, num_blocks=settings.num_blocks,
-                                  block_size=settings.block_size, device=device, sampler=Sampler(),
-                                  kernels=kernels or PORTABLE_KERNELS)
+                                  block_size=settings.block_size, sampler=Sampler(),
+                                  **({"kernels": runtime.kernels, "device": runtime.device, "dtype": runtime.dtype}
+                                     if runtime is not None else {"kernels": PORTABLE_KERNELS}))
         self.block_size = settings.block_size
         self._free = list(range(settings.num_blocks - 1, -1, -1))   # pop() hands out the lowest id first
         self._drafted: dict[str, _Drafted] = {}
@@ -90,13 +99,23 @@ class DraftProposer(Proposer):
         proposals: list[list[int]] = [[] for _ in requests]
         shadows: dict[int, Request] = {}   # index -> a request over the draft's tokens (``_Drafted.tokens``)
         rows: list[ScheduledRequest] = []
-        for i, (request, budget) in enumerate(zip(requests, budgets, strict=True)):
+        budgets = list(budgets)
+        for i, request in enumerate(requests):
+            drafted = self._drafted.get(request.request_id)
+            if drafted is None:
+                drafted = self._drafted[request.request_id] = _Drafted(
+                    budget=AdaptiveBudget(self.max_proposed_tokens) if self.settings.adaptive else None)
+            if drafted.budget is not None:
+                budgets[i] = drafted.budget.allow(budgets[i])
+            if not budgets[i]:
+                continue
             tokens = request.all_token_ids
-            drafted = self._drafted.setdefault(request.request_id, _Drafted())
-            # what it computed holds as far as its tokens agree: the request's own, then its guesses'
-            agree = drafted.known + _common_prefix(drafted.tokens[drafted.known:], tokens[drafted.known:])
+            # what it computed holds as far as its tokens agree with the request's: those it took from the
+            # request (unless they changed, as for a request id reused), then its guesses
+            known = drafted.known if drafted.tokens[:drafted.known] == tokens[:drafted.known] else 0
+            agree = known + _common_prefix(drafted.tokens[known:], tokens[known:])
             start = min(agree, len(tokens) - 1)   # the last token's pass gives the first guess
-            if not self._hold(drafted, len(tokens) + budget - 1):
+            if not self._hold(drafted, len(tokens) + budgets[i] - 1):
                 continue
             drafted.tokens[start:] = tokens[start:]
             drafted.known = len(tokens)
@@ -115,6 +134,11 @@ class DraftProposer(Proposer):
                     rows.append(ScheduledRequest(shadow, shadow.num_prompt_tokens - 1, 1,
                                                  self._drafted[shadow.request_id].blocks, sample=True))
         return proposals
+
+    def observe(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        drafted = self._drafted.get(request.request_id)
+        if drafted is not None and drafted.budget is not None:
+            drafted.budget.observe(num_proposed, num_accepted)
 
     def forget(self, request_id: str) -> None:
         drafted = self._drafted.pop(request_id, None)

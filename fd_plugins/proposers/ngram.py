@@ -23,6 +23,7 @@ from fd_plugins.proposers.adaptive import AdaptiveBudget
 from fd_plugins.proposers.prompt_lookup import SeenTokens, continuation
 
 if TYPE_CHECKING:
+    from fd_core.contracts.proposer import ModelRuntime
     from fd_core.request import Request
 
 #: Longest n-gram an option may name: each length is one more vectorised comparison per request.
@@ -66,8 +67,9 @@ class NgramProposer(Proposer):
     fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
     settings_model: ClassVar[type[BaseModel]] = NgramSettings
 
-    def __init__(self, settings: BaseModel | None, *, max_proposed_tokens: int, vocab_size: int) -> None:
-        super().__init__(settings, max_proposed_tokens=max_proposed_tokens, vocab_size=vocab_size)
+    def __init__(self, settings: BaseModel | None, *, max_proposed_tokens: int, vocab_size: int,
+                 runtime: ModelRuntime | None = None) -> None:
+        super().__init__(settings, max_proposed_tokens=max_proposed_tokens, vocab_size=vocab_size, runtime=runtime)
         self.options = settings if isinstance(settings, NgramSettings) else NgramSettings()
         self._requests: dict[str, _RequestState] = {}
 
