@@ -1,10 +1,10 @@
 """Speculative decoding's speed-up: each proposer beside none, on input-grounded and open-ended prompts.
 
 Input-grounded prompts ask the default model to repeat or lightly edit a given text (prompt lookup
-finds what follows); open-ended ones ask for new text (it mostly does not). For one sequence and for
-a batch of ``--batch`` requests (the same prompts cycled), greedy with ``--new-tokens`` tokens (no
-stop), each proposer in an engine of its own after a warm-up: end-to-end output tok/s, the one
-sequence's latency, and the acceptance rate (accepted / proposed tokens, from the engine's
+finds what follows); open-ended ones ask for new text (it mostly does not). For one sequence (each
+prompt alone, in turn) and for a batch of ``--batch`` requests (the prompts cycled), greedy with
+``--new-tokens`` tokens (no stop), each proposer in an engine of its own after a warm-up: end-to-end
+output tok/s, seconds, and the acceptance rate (accepted / proposed tokens, from the engine's
 counters). Outputs with a proposer are checked equal to those without (greedy is exact).
 
 With ``--llamacpp-venv`` (a venv with ``llama-cpp-python``, see single_sequence.py), llama.cpp runs
@@ -64,10 +64,12 @@ def _fd_runs(args: argparse.Namespace, proposer: str, prompts: dict[str, list[li
     llm.generate(prompts["open_ended"][:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
     rows = {}
     for kind, ids in prompts.items():
-        for label, batch in (("w1", ids[:1]), (f"w{args.batch}", [ids[i % len(ids)] for i in range(args.batch)])):
+        # w1: each prompt alone, one after the other; wN: N requests at once, the prompts cycled
+        for label, batches in (("w1", [[p] for p in ids]),
+                               (f"w{args.batch}", [[ids[i % len(ids)] for i in range(args.batch)]])):
             before = llm.engine.stats()
             begin = time.perf_counter()
-            results = llm.generate(batch, params, use_tqdm=False)
+            results = [r for batch in batches for r in llm.generate(batch, params, use_tqdm=False)]
             seconds = time.perf_counter() - begin
             after = llm.engine.stats()
             tokens = sum(len(r.token_ids) for r in results)
@@ -92,19 +94,19 @@ for draft in ("none", "prompt_lookup"):
     kwargs = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=job["k"])} if draft != "none" else {}
     llm = Llama(model_path=job["model"], n_threads=job["threads"], n_threads_batch=job["threads"], n_ctx=2048,
                 n_batch=512, verbose=False, seed=0, **kwargs)
-    for kind, ids in job["prompts"].items():
-        def run(n):
+    for kind, prompts in job["prompts"].items():
+        def run(ids, n):
             llm.reset()
             tokens = []
             for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
                 tokens.append(token)
                 if len(tokens) == n:
                     return tokens
-        run(4)
+        run(prompts[0], 4)
         begin = time.perf_counter()
-        tokens = run(job["new_tokens"])
+        tokens = sum(len(run(ids, job["new_tokens"])) for ids in prompts)
         seconds = time.perf_counter() - begin
-        out[f"{draft} {kind} w1"] = {"seconds": round(seconds, 3), "output_tok_s": round(len(tokens) / seconds, 1)}
+        out[f"{draft} {kind} w1"] = {"seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1)}
     del llm
 print(json.dumps(out))
 """
@@ -117,7 +119,7 @@ def _llamacpp(args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> 
         job = Path(scratch) / "job.json"
         job.write_text(json.dumps({"model": str(resolve_alias(DEFAULT_MODEL_ALIAS)), "k": args.k,
                                    "threads": len(os.sched_getaffinity(0)), "new_tokens": args.new_tokens,
-                                   "prompts": {kind: ids[0] for kind, ids in prompts.items()}}))
+                                   "prompts": prompts}))
         proc = subprocess.run([str(args.llamacpp_venv / "bin" / "python"), "-c", _LLAMACPP, str(job)],
                               capture_output=True, text=True, cwd=scratch)
     if proc.returncode != 0:

@@ -129,7 +129,9 @@ class EngineCore:
         self._idle = True                        # the last step had nothing to do
         self._wakeup = threading.Event()         # set by wake(): an idle loop with no room waits on it
         self._failures = FailureReporter()
-        self._speculation = Speculation(proposer, max_model_len=limits.max_model_len, failures=self._failures)
+        self._speculation = Speculation(
+            proposer, max_model_len=limits.max_model_len, failures=self._failures,
+            max_tokens_per_step=config.proposer.max_proposed_tokens_per_step if config is not None else None)
         self._started = False                    # start() ran (fd_engine_started was called)
         self._closed = False                     # close() ran
         self._num_steps = 0

@@ -4,8 +4,10 @@ Per step (:class:`Speculation`, one per engine core; without a proposer every me
 
 1. :meth:`Speculation.propose`, before planning: every request that decodes (running, its tokens
    computed but for the last one, at least one output) and is ``speculable`` gets up to ``budget``
-   proposed tokens as ``spec_token_ids``: ``proposer.num_speculative_tokens``, cut so that the
-   request cannot pass ``max_tokens`` or ``max_model_len`` even if all are accepted.
+   proposed tokens as ``spec_token_ids``: ``proposer.num_speculative_tokens``, or its equal share of
+   ``proposer.max_proposed_tokens_per_step`` when that is less (none when the share is below one:
+   a large batch has no compute to spare for verifying guesses), cut so that the request cannot pass
+   ``max_tokens`` or ``max_model_len`` even if all are accepted.
 2. The resource manager plans them, the runner verifies them (``StepResult.accepted``).
 3. :meth:`Speculation.process` hands the token processor one token per request per call, in
    order (a run of accepted tokens then the model's next token is several calls), so a stop string
@@ -38,9 +40,11 @@ if TYPE_CHECKING:
 class Speculation:
     """Proposals in, verified runs out, for one engine core (see the module docstring)."""
 
-    def __init__(self, proposer: Proposer | None, *, max_model_len: int, failures: FailureReporter) -> None:
+    def __init__(self, proposer: Proposer | None, *, max_model_len: int, max_tokens_per_step: int | None,
+                 failures: FailureReporter) -> None:
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self.max_tokens_per_step = max_tokens_per_step   # None: no cap
         self._failures = failures
         self._proposing: list[Request] = []   # requests holding proposals this step
         self.num_proposed_tokens = 0          # totals since start: computed proposals
@@ -50,12 +54,12 @@ class Speculation:
         """Set ``spec_token_ids`` on the requests that decode and may speculate (step 1)."""
         if self.proposer is None:
             return
-        chosen, budgets = [], []
-        for request in requests:
-            budget = self._budget(request)
-            if budget > 0:
-                chosen.append(request)
-                budgets.append(budget)
+        chosen = [request for request in requests if self._may_speculate(request)]
+        share = self.proposer.max_proposed_tokens
+        if chosen and self.max_tokens_per_step is not None:
+            share = min(share, self.max_tokens_per_step // len(chosen))
+        budgets = [self._budget(request, share) for request in chosen]
+        chosen, budgets = [r for r, b in zip(chosen, budgets, strict=True) if b > 0], [b for b in budgets if b > 0]
         if not chosen:
             return
         try:
@@ -108,16 +112,20 @@ class Speculation:
                 self._failures.report(plugin_label(self.proposer), "forget", f"raised {type(exc).__name__}: {exc}",
                                       fallback="ignored")
 
-    def _budget(self, request: Request) -> int:
-        """How many tokens ``request`` may have proposed now: 0 unless it decodes and may speculate."""
-        assert self.proposer is not None
+    @staticmethod
+    def _may_speculate(request: Request) -> bool:
+        """Whether ``request`` decodes (running, computed but for its last token, with outputs, past
+        ``min_tokens``) and its sampling can be verified."""
         outputs = len(request.output_token_ids)
         params = request.sampling_params
-        if (request.status is not RequestStatus.RUNNING or not outputs or outputs < params.min_tokens
-                or request.num_computed_tokens != request.num_tokens - 1 or not params.speculable):
-            return 0
-        return min(self.proposer.max_proposed_tokens, params.max_tokens - outputs - 1,
-                   self.max_model_len - request.num_tokens - 1)
+        return (request.status is RequestStatus.RUNNING and outputs >= max(1, params.min_tokens)
+                and request.num_computed_tokens == request.num_tokens - 1 and params.speculable)
+
+    def _budget(self, request: Request, share: int) -> int:
+        """How many tokens ``request`` may have proposed: its ``share``, cut so that ``max_tokens`` and
+        ``max_model_len`` hold even if all are accepted."""
+        outputs = len(request.output_token_ids)
+        return min(share, request.sampling_params.max_tokens - outputs - 1, self.max_model_len - request.num_tokens - 1)
 
     def _roll_back(self, rows: dict, result: StepResult) -> None:
         for request_id, num_proposed in result.num_proposed.items():

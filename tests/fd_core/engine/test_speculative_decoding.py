@@ -75,8 +75,9 @@ def _prompts(n: int, *, seed: int) -> list[list[int]]:
 
 
 def _llm(model: str, *, proposer: str | None, hooks: list[str] = (), num_blocks: int = 256, k: int = 4,
-         **sections) -> LLM:
-    speculation = {"name": proposer, "num_speculative_tokens": k} if proposer else {"name": "none"}
+         per_step: int = 1024, **sections) -> LLM:
+    speculation = ({"name": proposer, "num_speculative_tokens": k, "max_proposed_tokens_per_step": per_step}
+                   if proposer else {"name": "none"})
     return LLM(model={"source": model}, cache={"num_blocks": num_blocks, "enable_prefix_caching": False},
                proposer=speculation, plugins={"hooks": list(hooks)}, **sections)
 
@@ -169,6 +170,32 @@ def test_oracle_runs_are_accepted_cut_and_rejected_exactly(install_plugin, tiny_
     # every third proposed token is wrong: runs of two are accepted, so a step yields up to three tokens
     assert 0 < stats.num_accepted_tokens < stats.num_proposed_tokens
     assert stats.num_steps < 24 / 2
+
+
+@pytest.mark.parametrize("per_step, batch, share", [(16, 2, 4), (16, 8, 2), (16, 17, 0), (64, 17, 3)])
+def test_a_step_proposes_at_most_max_proposed_tokens_per_step_shared_equally(
+        install_plugin, tiny_model_dir, reference, per_step, batch, share):
+    prompts = _prompts(batch, seed=8)
+    oracle = _oracle(install_plugin, f"oracle_share_{per_step}_{batch}", dict(zip(map(tuple, prompts),
+                                                                                  reference(prompts), strict=True)))
+    seen: list[list[int]] = []
+    plain_propose = oracle.propose
+
+    def propose(self, requests, budgets):
+        seen.append(list(budgets))
+        return plain_propose(self, requests, budgets)
+
+    oracle.propose = propose
+    with _llm(tiny_model_dir, proposer="oracle", hooks=[f"oracle_share_{per_step}_{batch}"], per_step=per_step,
+              engine={"max_num_seqs": 32}) as llm:
+        results = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == reference(prompts)
+    full = [b for b in seen if len(b) == batch]   # steps where every request decoded
+    if share:
+        assert full and all(set(b) <= set(range(1, share + 1)) and max(b) == share for b in full[:1])
+        assert sum(map(sum, seen)) > 0
+    else:
+        assert not full, "no proposals while every request decodes"
 
 
 def test_preemption_in_the_middle_keeps_the_output(install_plugin, tiny_model_dir, reference):

@@ -306,3 +306,26 @@ def test_a_rank_the_front_end_gives_up_on_is_killed_and_its_requests_continue_el
         assert await _all_blocks_free(client)
 
     _run_ranks(tiny_model, body, observe=observe)
+
+
+def test_a_speculating_request_continued_on_another_rank_keeps_its_tokens(tiny_model) -> None:
+    """Both ranks speculate (the model as its own draft); the rank holding a request that has streamed
+    some tokens dies: the other rank's draft rebuilds from the delivered tokens, and the output equals
+    one uninterrupted run."""
+    async def body(client, finished):
+        reference = await _tokens(await client.add([_request("ref", 400)]))
+        stream = aiter(await client.add([_request("x", 400)]))
+        rank = client._placed["x"].rank
+        got: list[int] = []
+        while len(got) < 10:
+            got += (await anext(stream)).new_token_ids
+        _kill(client, rank)
+        async for output in stream:
+            got += output.new_token_ids
+        assert got == reference["ref"]
+        assert client.num_rescued == 1
+        stats = await client.stats()
+        assert stats["num_accepted_tokens"] > 0
+        assert await _all_blocks_free(client)
+
+    _run_ranks(tiny_model, body, proposer={"name": "draft", "options": {"model": str(tiny_model)}})

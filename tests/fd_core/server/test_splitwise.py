@@ -5,6 +5,7 @@ never leaves a client hanging or blocks held."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -69,10 +70,15 @@ def wait_blocks_free(*servers: ServerProcess, timeout: float = 15.0) -> None:
                   == metric(t, "fd_kv_cache_blocks_total") > 0, f"every KV block free on {server.url}", timeout)
 
 
-@pytest.mark.parametrize("connector", ["zmq", "shm"])
-def test_a_prefill_decode_pair_answers_like_one_mixed_engine(tiny_model, redis, tmp_path, reference, connector):
+@pytest.mark.parametrize("connector, speculate", [("zmq", False), ("shm", True)])
+def test_a_prefill_decode_pair_answers_like_one_mixed_engine(tiny_model, redis, tmp_path, reference, connector,
+                                                             speculate):
+    """With ``speculate``, the decode instance verifies guesses of a draft (the model itself) from the
+    first token on, which the prefill instance sampled."""
     prefill = start_role(tmp_path, tiny_model, redis, "prefill", connector, topic=connector)
-    decode = start_role(tmp_path, tiny_model, redis, "decode", connector, topic=connector)
+    draft = ("--proposer.name", "draft", "--proposer.options", json.dumps({"model": str(tiny_model)}))
+    decode = start_role(tmp_path, tiny_model, redis, "decode", connector, *(draft if speculate else ()),
+                        topic=connector)
     router = RouterProcess([prefill.url, decode.url], tmp_path / "router.log")
     try:
         router.wait_answering()
@@ -117,6 +123,7 @@ def test_a_prefill_decode_pair_answers_like_one_mixed_engine(tiny_model, redis, 
         assert metric(on_prefill, "fd_splitwise_jobs_done_total") == handed_off
         assert metric(on_prefill, "fd_splitwise_connector_bytes_sent_total") > 0
         assert metric(on_decode, "fd_prompt_tokens_total") == 0   # no prompt computed on the decode side
+        assert (metric(on_decode, "fd_spec_accepted_tokens_total") > 0) == speculate
         # every request went to the decode instance (a stream is counted once it ended), none to the prefill one
         _wait_for(lambda: metric(metrics(router.url), "fd_router_requests_total",
                                  f'{{backend="{decode.url}",outcome="ok"}}') >= handed_off, "the router's count")
