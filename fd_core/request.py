@@ -190,9 +190,11 @@ class SamplingParams:
     @property
     def speculable(self) -> bool:
         """Whether the runner can verify proposed tokens for it: asked for (``speculate``), and no
-        penalty, bias, constraint or seed, whose outputs would depend on the tokens accepted before in
-        the same step (penalties, constraints) or on how many draws a step takes (a seed)."""
-        return self.speculate and not self.shapes_logits and self.seed is None
+        penalty, bias or seed, whose outputs would depend on the tokens accepted before in the same
+        step (penalties) or on how many draws a step takes (a seed). A constraint is verified where
+        the engine's guided decoding can (``Constraints.can_verify``)."""
+        return (self.speculate and self.seed is None and not self.logit_bias and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)
 
     @property
     def greedy(self) -> bool:

@@ -100,6 +100,13 @@ class ConstraintMatcher(ABC):
     def is_terminated(self) -> bool:
         """Whether one of the matcher's stop token ids was accepted (the constraint was complete)."""
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (at most 16 at a time), back to the state before
+        them. Optional (hookspec version 5): speculative decoding masks each proposed position with the
+        state after the proposals before it, then rolls them back; a backend whose matchers implement it
+        sets ``GuidedDecodingBackend.supports_rollback``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot roll back")
+
 
 class GuidedDecodingBackend(SeamPlugin, ABC):
     """Compiles constraints for one vocabulary and makes matchers of them.
@@ -113,6 +120,9 @@ class GuidedDecodingBackend(SeamPlugin, ABC):
     #: The :data:`~fd_core.request.GUIDED_KINDS` it compiles; a constraint of another kind raises
     #: :class:`ConstraintError` naming the kind (the client gets a 400).
     supported_kinds: ClassVar[frozenset[str]] = frozenset(GUIDED_KINDS)
+    #: Whether its matchers implement :meth:`ConstraintMatcher.rollback`; without it, requests with a
+    #: constraint are never speculated (speculative decoding needs to try proposals and undo them).
+    supports_rollback: ClassVar[bool] = False
 
     def __init__(self, settings: BaseModel | None, *, vocabulary: Vocabulary) -> None:
         self.settings = settings

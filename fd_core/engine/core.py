@@ -131,7 +131,8 @@ class EngineCore:
         self._failures = FailureReporter()
         self._speculation = Speculation(
             proposer, max_model_len=limits.max_model_len, failures=self._failures,
-            max_tokens_per_step=config.proposer.max_proposed_tokens_per_step if config is not None else None)
+            max_tokens_per_step=config.proposer.max_proposed_tokens_per_step if config is not None else None,
+            **({"can_verify": constraints.can_verify} if constraints is not None else {}))
         self._started = False                    # start() ran (fd_engine_started was called)
         self._closed = False                     # close() ran
         self._num_steps = 0

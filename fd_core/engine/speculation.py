@@ -24,7 +24,7 @@ A failing proposer is reported once and the step goes on without proposals.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from fd_core.outputs import RequestOutput, StepPlan, StepResult
@@ -41,8 +41,10 @@ class Speculation:
     """Proposals in, verified runs out, for one engine core (see the module docstring)."""
 
     def __init__(self, proposer: Proposer | None, *, max_model_len: int, max_tokens_per_step: int | None,
-                 failures: FailureReporter) -> None:
+                 failures: FailureReporter, can_verify: Callable[[Request], bool] = lambda request: True) -> None:
+        """``can_verify`` tells whether guided decoding can verify a request's proposals."""
         self.proposer = proposer
+        self.can_verify = can_verify
         self.max_model_len = max_model_len
         self.max_tokens_per_step = max_tokens_per_step   # None: no cap
         self._failures = failures
@@ -112,14 +114,14 @@ class Speculation:
                 self._failures.report(plugin_label(self.proposer), "forget", f"raised {type(exc).__name__}: {exc}",
                                       fallback="ignored")
 
-    @staticmethod
-    def _may_speculate(request: Request) -> bool:
+    def _may_speculate(self, request: Request) -> bool:
         """Whether ``request`` decodes (running, computed but for its last token, with outputs, past
-        ``min_tokens``) and its sampling can be verified."""
+        ``min_tokens``) and its sampling and constraint can be verified."""
         outputs = len(request.output_token_ids)
         params = request.sampling_params
         return (request.status is RequestStatus.RUNNING and outputs >= max(1, params.min_tokens)
-                and request.num_computed_tokens == request.num_tokens - 1 and params.speculable)
+                and request.num_computed_tokens == request.num_tokens - 1 and params.speculable
+                and self.can_verify(request))
 
     def _budget(self, request: Request, share: int) -> int:
         """How many tokens ``request`` may have proposed: its ``share``, cut so that ``max_tokens`` and

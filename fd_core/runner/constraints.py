@@ -119,6 +119,50 @@ class Constraints:
         """Drop the request's matcher (it finished, or was aborted)."""
         self._sequences.pop(request_id, None)
 
+    def can_verify(self, request: Request) -> bool:
+        """Whether proposed tokens of ``request`` can be verified under its constraint (speculative
+        decoding): none, or one without reasoning tags whose backend's matchers roll back."""
+        guided = request.sampling_params.guided
+        return guided is None or (self.backend is not None and self.backend.supports_rollback
+                                  and guided.reasoning_end is None)
+
+    def forbidden_in_run(self, request: Request, proposed: Sequence[int]) -> tuple[np.ndarray, str | None]:
+        """The tokens ``request``'s constraint forbids at each position of a verified run (bool
+        ``[m, V]``): row ``j`` after its outputs and ``proposed[:j]``. ``m - 1`` proposals can be
+        verified: ``m`` stops early where the constraint forbids the next proposal or allows no token
+        after it. Returns an empty array and why when the first position allows no token. The matcher
+        is left where it was (the proposals are rolled back)."""
+        try:
+            sequence = self._sequence(request)
+            self._catch_up(sequence, request)
+            matcher = sequence.matcher
+            assert sequence.reply is None and matcher is not None, "can_verify() admits no reasoning tags"
+            bitmask = np.zeros((1, mask_words(self.vocab_size)), dtype=np.int32)
+            rows: list[np.ndarray] = []
+            accepted = 0   # proposals the matcher took, to roll back
+            try:
+                while not matcher.is_terminated():
+                    matcher.fill_mask(bitmask, 0)
+                    forbidden = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:self.vocab_size] == 0
+                    if forbidden.all():
+                        break
+                    rows.append(forbidden)
+                    if accepted == len(proposed) or not matcher.accept(proposed[accepted]):
+                        break
+                    accepted += 1
+            finally:
+                if accepted:
+                    matcher.rollback(accepted)
+        except (_Unservable, RequestError) as exc:
+            return np.zeros((0, self.vocab_size), bool), str(exc)
+        except Exception as exc:   # the backend failed on this sequence: it alone ends
+            log.exception("guided decoding failed on request %s", request.request_id)
+            return np.zeros((0, self.vocab_size), bool), (f"guided: the guided-decoding backend failed: "
+                                                          f"{type(exc).__name__}: {exc}")
+        if not rows:
+            return np.zeros((0, self.vocab_size), bool), self._dead_end(request)
+        return np.stack(rows), None
+
     def _fill(self, request: Request, bitmask: np.ndarray, slot: int) -> np.ndarray | None:
         """Fill the request's row of ``bitmask``, or (while its reply reasons) return the token ids to
         mask instead; _Unservable when it cannot go on. A backend that raises fails this row only."""

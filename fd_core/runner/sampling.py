@@ -299,10 +299,20 @@ class Sampler:
 
     def verify(self, raw: np.ndarray, request: Request, proposed: list[int]) -> list[SampledToken]:
         """The accepted prefix of ``proposed`` then the model's next token, from ``raw`` float32
-        [len(proposed) + 1, V] (:func:`fd_core.runner.speculative.verify`; the request is speculable)."""
+        [len(proposed) + 1, V] (:func:`fd_core.runner.speculative.verify`; the request is speculable).
+        Under a constraint each position is masked as after the proposals before it, and only the
+        proposals the constraint allows are verified; a row it leaves no token gives one SampledToken
+        with ``error``."""
         from fd_core.runner.speculative import verify
 
-        return verify(raw, proposed, request.sampling_params, self._rng)
+        forbidden = None
+        if request.sampling_params.guided is not None:
+            assert self.constraints is not None, "the engine refuses constrained requests without guided decoding"
+            forbidden, error = self.constraints.forbidden_in_run(request, proposed)
+            if error is not None:
+                return [SampledToken(-1, error=error)]
+            proposed, raw = proposed[:len(forbidden) - 1], raw[:len(forbidden)]
+        return verify(raw, proposed, request.sampling_params, self._rng, forbidden=forbidden)
 
     def _sample_rows(self, x: np.ndarray, requests: list[Request]) -> np.ndarray:
         """Temperature, filters and one inverse-CDF draw per row of ``x`` (modified in place).

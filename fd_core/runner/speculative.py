@@ -15,8 +15,10 @@ row ``s`` the one for the token after ``d_s``.
   ``p_j`` is what the sampler draws from: the logits divided by the temperature, with the tokens
   :func:`~fd_core.runner.sampling.filter_thresholds` drops removed.
 
-Rows with penalties, a logit bias, a constraint or a seed are never verified
-(``SamplingParams.speculable``). Logprobs are the raw distribution's, as the sampler's.
+A constraint (guided decoding) removes the tokens it forbids at each position, as the sampler's mask
+does, before either rule: a proposal it forbids is never accepted. Rows with penalties, a logit bias
+or a seed are never verified (``SamplingParams.speculable``). Logprobs are the raw distribution's,
+as the sampler's.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ if TYPE_CHECKING:
     from fd_core.request import SamplingParams
 
 
-def verify(raw: np.ndarray, proposed: Sequence[int], params: SamplingParams,
-           rng: np.random.Generator) -> list[SampledToken]:
+def verify(raw: np.ndarray, proposed: Sequence[int], params: SamplingParams, rng: np.random.Generator, *,
+           forbidden: np.ndarray | None = None) -> list[SampledToken]:
     """The tokens a row outputs this step: the accepted prefix of ``proposed`` then one token from
-    the model, given its float32 logits ``raw`` [len(proposed) + 1, V] (see the module docstring)."""
+    the model, given its float32 logits ``raw`` [len(proposed) + 1, V] (see the module docstring).
+    ``forbidden`` (bool, the same shape) removes tokens a constraint forbids at each position."""
     assert raw.shape[0] == len(proposed) + 1, (raw.shape, len(proposed))
-    tokens = _greedy(raw, proposed) if params.greedy else _sampled(raw, proposed, params, rng)
+    shaped = raw if forbidden is None else np.where(forbidden, -np.inf, raw).astype(np.float32)
+    tokens = _greedy(shaped, proposed) if params.greedy else _sampled(shaped, proposed, params, rng)
     if params.logprobs is None:
         return [SampledToken(t) for t in tokens]
     return token_logprobs(raw[:len(tokens)], np.asarray(tokens, np.int64), [params.logprobs] * len(tokens))

@@ -69,12 +69,16 @@ class XGrammarMatcher(ConstraintMatcher):
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
 
 class XGrammarBackend(GuidedDecodingBackend):
     """Guided decoding through xgrammar's compiler and matchers."""
 
     name: ClassVar[str] = "xgrammar"
     fd_hookspec_version: ClassVar[int] = FD_HOOKSPEC_VERSION
+    supports_rollback: ClassVar[bool] = True
     settings_model: ClassVar[type[BaseModel]] = XGrammarSettings
 
     def __init__(self, settings: BaseModel | None, *, vocabulary: Vocabulary) -> None:

@@ -64,7 +64,10 @@ STOPS: Final = "the mask allows the matcher's stop ids, and no other special tok
 VALID: Final = "a valid output gets through the mask"
 CACHED: Final = "an equal constraint compiled again behaves the same; a different one does not"
 INDEPENDENT: Final = "matchers of one compiled constraint share no state, also on two threads"
+ROLLBACK: Final = "rollback(n) returns a matcher to its state n tokens before (supports_rollback)"
 
+#: Most tokens the rollback check accepts before rolling them back (speculative decoding's runs).
+ROLLBACK_RUN: Final = 4
 #: Seeds of the random walks; a walk with seed ``s`` ends on the stop ids ``STOP_SETS[s]``.
 SEEDS: Final = (0, 1, 2)
 #: The stop ids a matcher is made with: the vocabulary's eos alone, the other stop token alone, both.
@@ -569,6 +572,29 @@ def _replays(kit: _Kit, sample: Sample, stops: tuple[int, ...], walk: _Walk) -> 
     return [_replay(kit, [(kit.matcher(sample, stops), walk)]) for _ in range(THREAD_ROUNDS)]
 
 
+def _rollback(kit: _Kit) -> None:
+    """Along every walk, at each step: accept up to :data:`ROLLBACK_RUN` of the walk's next tokens,
+    roll them back, and the mask and ``is_terminated`` are those before them."""
+    if not kit.cls.supports_rollback:
+        raise Skip("the backend does not declare supports_rollback")
+    for walk, (sample, seed) in zip(_walks(kit), ((s, seed) for s in kit.samples() for seed in SEEDS), strict=True):
+        matcher = kit.matcher(sample, STOP_SETS[seed])
+        for index, token in enumerate(walk.tokens):
+            run = walk.tokens[index:index + ROLLBACK_RUN]
+            for taken in run:
+                if not matcher.accept(taken):
+                    raise broken(SEAM, ROLLBACK, f"{kit.name}: {sample.label}, seed {seed}: accept() refuses "
+                                                 f"{kit.describe([taken])} of a walk it took before")
+            matcher.rollback(len(run))
+            row = kit.mask(matcher) if not matcher.is_terminated() else None
+            if row is None or not np.array_equal(row, walk.rows[index]):
+                raise broken(SEAM, ROLLBACK, f"{kit.name}: {sample.label}, seed {seed}: after {index} tokens, "
+                                             f"{len(run)} accepted and rolled back leave "
+                                             + ("it terminated" if row is None else
+                                                f"another mask: {_difference(kit, row, walk.rows[index])}"))
+            matcher.accept(token)
+
+
 GUIDED_DECODING_CHECKS: Final = (
     Check("kinds", KINDS, _kinds),
     Check("invalid_specs", INVALID_SPECS, _invalid_specs),
@@ -580,4 +606,5 @@ GUIDED_DECODING_CHECKS: Final = (
     Check("valid_output", VALID, _valid_output),
     Check("cached", CACHED, _cached),
     Check("independent", INDEPENDENT, _independent),
+    Check("rollback", ROLLBACK, _rollback),
 )

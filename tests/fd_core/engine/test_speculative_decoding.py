@@ -10,6 +10,7 @@ that runs are accepted, cut and rejected at known places.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 from collections import Counter
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from fd_core.engine.llm import LLM
-from fd_core.request import FinishReason, SamplingParams
+from fd_core.request import FinishReason, GuidedDecoding, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 #: The chi-square statistic's value that a true fit exceeds with probability 0.001, by degrees of freedom.
@@ -268,6 +269,28 @@ def test_sampled_tokens_keep_their_distribution(install_plugin, tiny_model_dir):
     statistic = float(((counts - expected) ** 2 / expected).sum())
     assert counts.shape[1] >= 4, "a spread distribution: the test must be able to fail"
     assert statistic < CHI_SQUARE_CRITICAL_0_001[counts.shape[1] - 1]
+
+
+def test_a_constrained_request_accepts_only_what_its_constraint_allows(install_plugin, tiny_model_dir):
+    """JSON-schema requests with an oracle whose every third token is wrong (often one the schema
+    forbids): each position is masked as after the proposals before it, the replies equal those
+    without speculation, and the matchers are left where the outputs put them."""
+    from tests.fd_core.server import constrained
+
+    prompts = _prompts(6, seed=9)
+    params = SamplingParams(max_tokens=constrained.MAX_TOKENS, temperature=0.0,
+                            guided=GuidedDecoding("json", json.dumps(constrained.SCHEMA)))
+    with _llm(tiny_model_dir, proposer=None) as plain:
+        expected = plain.generate(prompts, params)
+    _oracle(install_plugin, "oracle_guided", {tuple(p): r.token_ids for p, r in zip(prompts, expected, strict=True)})
+    with _llm(tiny_model_dir, proposer="oracle", hooks=["oracle_guided"]) as llm:
+        replies = llm.generate(prompts, params)
+        stats = llm.engine.stats()
+        assert _all_free(llm)
+    assert [(r.token_ids, r.finish_reason) for r in replies] == [(r.token_ids, r.finish_reason) for r in expected]
+    for reply in replies:
+        constrained.Reading.model_validate_json(reply.text)
+    assert 0 < stats.num_accepted_tokens < stats.num_proposed_tokens
 
 
 def test_per_request_opt_out_and_unsupported_sampling_are_not_speculated(tiny_model_dir, reference):

@@ -99,6 +99,18 @@ class SourceInErrors(XGrammarBackend):
             raise ConstraintError(f"[10:42:07] /project/cpp/grammar_parser.cc:88: {exc}") from None
 
 
+class IgnoresRollback(XGrammarBackend):
+    """Declares rollback, and its matchers' rollback does nothing."""
+
+    def matcher(self, compiled: Any, stop_token_ids: tuple[int, ...]) -> XGrammarMatcher:
+        return _Forgetful(super().matcher(compiled, stop_token_ids)._matcher)
+
+
+class _Forgetful(XGrammarMatcher):
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+
 def _case(cls: type, check: str, *words: str) -> Any:
     return pytest.param(cls, check, words, id=f"{cls.__name__}-{check}")
 
@@ -128,6 +140,8 @@ def _case(cls: type, check: str, *words: str) -> Any:
                                    "\"structural_tag\", ",
           "compiled a kind its supported_kinds does not declare (declare it, or raise ConstraintError naming the "
           "kind)"),
+    _case(IgnoresRollback, "rollback", "guided decoding invariant 'rollback(n) returns a matcher to its state n "
+                                       "tokens before (supports_rollback)' broken: IgnoresRollback: ", "rolled back"),
     _case(SourceInErrors, "invalid_specs", "broken: SourceInErrors.compile(json '{\"type\": \"object\", "
                                            "\"properties\": {') raised ConstraintError('[10:42:07] /project/cpp/"
                                            "grammar_parser.cc:88: the JSON schema is not JSON: ",
@@ -155,6 +169,7 @@ def test_a_backend_that_ignores_the_stop_ids_is_caught(broken_plugins):
     (SourceInErrors, ["invalid_specs"]),
     (OrsIntoTheRow, ["bitmask"]),
     (UndeclaredTags, ["kinds"]),
+    (IgnoresRollback, ["rollback"]),
     (CachesByKind, ["invalid_specs", "cached"]),   # an invalid schema gets the valid one's compiled form
 ])
 def test_a_backend_breaking_one_rule_fails_those_checks_alone(cls, checks):
