@@ -111,13 +111,29 @@ def default_model_llm_factory():
 
     def of(proposer: str | None) -> LLM:
         if proposer not in built:
+            options = {"options": {"model": "smollm2-135m-instruct", "num_blocks": 16}} if proposer == "draft" else {}
             built[proposer] = LLM(cache={"num_blocks": 64, "enable_prefix_caching": False},
-                                  proposer={"name": proposer or "none"})
+                                  proposer={"name": proposer or "none", **options})
         return built[proposer]
 
     yield of
     for llm in built.values():
         llm.close()
+
+
+def test_draft_on_the_default_model_as_its_own_draft_is_nearly_always_accepted(default_model_llm_factory):
+    """The default model drafting for itself (its own kernels, its own paged KV): each guess is the
+    model's own greedy choice (one token at a time, where the target scores five at once: a near tie
+    may part them), so nearly all are accepted, and the reply is the one without speculation."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = {"role": "user", "content": "Write one sentence about the sea."}
+    expected = default_model_llm_factory(None).chat([[prompt]], params)[0]
+    llm = default_model_llm_factory("draft")
+    got = llm.chat([[prompt]], params)[0]
+    stats = llm.engine.stats()
+    assert got.token_ids == expected.token_ids
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_proposed_tokens > 0
+    assert stats.num_steps < 24 / 2
 
 
 def _oracle(install_plugin, name: str, answers: dict) -> type:
