@@ -34,7 +34,10 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _llm(target: str, draft: str | None, **options) -> LLM:
-    proposer = {"name": "draft", "options": {"model": draft, **options}} if draft else {"name": "none"}
+    """``target`` served, with ``draft`` (and its ``options``) guessing 4 tokens for every request (no
+    per-step cap), or without speculation."""
+    proposer = ({"name": "draft", "options": {"model": draft, **options}, "max_proposed_tokens_per_step": 1024}
+                if draft else {"name": "none"})
     return LLM(model={"source": target}, cache={"num_blocks": 256, "enable_prefix_caching": False}, proposer=proposer)
 
 
