@@ -104,6 +104,13 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     from fd_core.runner.sampling import Sampler
 
     constraints = build_constraints(selection.plugins.get("guided_decoding"), loaded.tokenizer, arch.vocab_size)
+
+    def release_weights() -> None:   # the model is built: the load-time arrays are garbage now
+        loaded.weights.clear()
+        gc.collect()
+        if release_freed_memory():
+            log.info("gave the memory freed after loading back to the system")
+
     runner = ModelRunner(loaded.architecture, arch, loaded.weights, num_blocks=kv.num_blocks,
                          block_size=config.cache.block_size,
                          dtype=config.model.dtype, kv_dtype=kv_cache_dtype(config), device=platform.device_string(),
@@ -111,14 +118,11 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
                          num_threads=platform.num_threads(),
                          kernels=kernels, linear_weights=config.model.linear_weights,
                          linear_inputs=config.model.linear_inputs,
-                         attention_inputs=config.model.attention_inputs)
-    loaded.weights.clear()   # the runner holds what it needs: the load-time arrays are garbage now
-    gc.collect()
-    if release_freed_memory():
-        log.info("gave the memory freed after loading back to the system")
+                         attention_inputs=config.model.attention_inputs, release_weights=release_weights)
     report(f"warm-up forward pass (kernels: {kernels.describe()})")
     warm_up_s = runner.warm_up()
     log.info("warm-up: a %d-token prefill and a decode step took %.2f s", WARMUP_PROMPT_TOKENS, warm_up_s)
+    log.info("memory: %s", runner.measure_memory().describe())
     limits = KVLimits(
         num_blocks=kv.num_blocks, block_size=config.cache.block_size,
         max_num_seqs=config.engine.max_num_seqs, max_num_batched_tokens=config.engine.max_num_batched_tokens,
