@@ -4,9 +4,11 @@ Order matters and is the start-up contract: the whole config and every selected 
 validated first (cheap, no device work); then the platform's worker environment is applied,
 the kernels are chosen from its declared capabilities (logged once, in one line), the model is
 loaded, the KV pool is sized from the platform's memory profile (or ``cache.num_blocks``), the
-runner warms up (a short prefill and a decode step through the chosen kernels), and only then
-are the seam plugins instantiated; last, a prefill or decode instance starts its part in
-hand-offs (binds its connector and publishes itself in the peer directory).
+model is built in the kernels' layouts and the load-time arrays are freed before the pool is
+allocated, the runner warms up (a short prefill and a decode step through the chosen kernels),
+the resident memory is logged by part, and only then are the seam plugins instantiated; last, a
+prefill or decode instance starts its part in hand-offs (binds its connector and publishes itself
+in the peer directory).
 """
 
 from __future__ import annotations
