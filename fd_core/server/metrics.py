@@ -1,9 +1,9 @@
 """The Prometheus metrics of ``GET /metrics``, in a registry of their own.
 
 Two kinds of figures: the engine's own gauges and totals (running/waiting requests, KV blocks,
-prefix-cache lookups, preemptions, token totals), copied from an EngineStats snapshot taken
-when ``/metrics`` is scraped; and per-request latency histograms observed here from each
-request's final output (TTFT, TPOT, end-to-end, queue time).
+prefix-cache lookups, preemptions, token totals, resident memory by part at start-up), copied
+from an EngineStats snapshot taken when ``/metrics`` is scraped; and per-request latency
+histograms observed here from each request's final output (TTFT, TPOT, end-to-end, queue time).
 """
 
 from __future__ import annotations
