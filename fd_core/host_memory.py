@@ -4,7 +4,8 @@ A model loads on the host (reading, dequantizing, converting) before its weights
 the kernels; once packed, the load-time arrays are garbage. Platforms may tune glibc's malloc to
 keep freed memory in the heap for the next step (the cpu platform does, before the model loads),
 and then that garbage stays resident for the life of the process: ~680 MiB for the default model.
-:func:`release_freed_memory` hands it back once, after loading and before the warm-up.
+:func:`release_freed_memory` hands it back once, when the model is built and before the KV pool is
+allocated (so the pool never sits beside the load-time arrays).
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ Order matters and is the start-up contract: the whole config and every selected 
 validated first (cheap, no device work); then the platform's worker environment is applied,
 the kernels are chosen from its declared capabilities (logged once, in one line), the model is
 loaded, the KV pool is sized from the platform's memory profile (or ``cache.num_blocks``), the
-runner warms up (a short prefill and a decode step through the chosen kernels), and only then
-are the seam plugins instantiated; last, a prefill or decode instance starts its part in
-hand-offs (binds its connector and publishes itself in the peer directory).
+model is built in the kernels' layouts and the load-time arrays are freed before the pool is
+allocated, the runner warms up (a short prefill and a decode step through the chosen kernels),
+the resident memory is logged by part, and only then are the seam plugins instantiated; last, a
+prefill or decode instance starts its part in hand-offs (binds its connector and publishes itself
+in the peer directory).
 """
 
 from __future__ import annotations
@@ -104,6 +106,13 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
     from fd_core.runner.sampling import Sampler
 
     constraints = build_constraints(selection.plugins.get("guided_decoding"), loaded.tokenizer, arch.vocab_size)
+
+    def release_weights() -> None:   # the model is built: the load-time arrays are garbage now
+        loaded.weights.clear()
+        gc.collect()
+        if release_freed_memory():
+            log.info("gave the memory freed after loading back to the system")
+
     runner = ModelRunner(loaded.architecture, arch, loaded.weights, num_blocks=kv.num_blocks,
                          block_size=config.cache.block_size,
                          dtype=config.model.dtype, kv_dtype=kv_cache_dtype(config), device=platform.device_string(),
@@ -111,14 +120,11 @@ def build_engine(config: FdConfig, registry: Registry | None = None, *,
                          num_threads=platform.num_threads(),
                          kernels=kernels, linear_weights=config.model.linear_weights,
                          linear_inputs=config.model.linear_inputs,
-                         attention_inputs=config.model.attention_inputs)
-    loaded.weights.clear()   # the runner holds what it needs: the load-time arrays are garbage now
-    gc.collect()
-    if release_freed_memory():
-        log.info("gave the memory freed after loading back to the system")
+                         attention_inputs=config.model.attention_inputs, release_weights=release_weights)
     report(f"warm-up forward pass (kernels: {kernels.describe()})")
     warm_up_s = runner.warm_up()
     log.info("warm-up: a %d-token prefill and a decode step took %.2f s", WARMUP_PROMPT_TOKENS, warm_up_s)
+    log.info("memory: %s", runner.measure_memory().describe())
     limits = KVLimits(
         num_blocks=kv.num_blocks, block_size=config.cache.block_size,
         max_num_seqs=config.engine.max_num_seqs, max_num_batched_tokens=config.engine.max_num_batched_tokens,

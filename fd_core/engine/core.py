@@ -92,6 +92,7 @@ class EngineStats:
     hooks: list[dict[str, Any]]     # per hook implementation: calls, errors, seconds (plugins.trace_hooks)
     num_proposed_tokens: int = 0    # speculative decoding: proposed tokens the runner verified
     num_accepted_tokens: int = 0    # and those it accepted (also in num_generated_tokens)
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)  # bytes by part at start-up (MemoryUsage)
 
 
 class EngineCore:
@@ -300,7 +301,8 @@ class EngineCore:
         """Counters as of the end of the last step, the scheduler's and the hand-off's as of now;
         safe from any thread."""
         return dataclasses.replace(self._stats, scheduler=self._scheduler_stats(), splitwise=self.handoff.stats(),
-                                   hooks=self._hook_tracer.snapshot() if self._hook_tracer is not None else [])
+                                   hooks=self._hook_tracer.snapshot() if self._hook_tracer is not None else [],
+                                   memory=self.runner.memory.as_dict() if self.runner.memory is not None else {})
 
     def close(self) -> None:
         """After the last step: tell the plugins (``fd_engine_stopped``, if :meth:`start` ran),

@@ -11,7 +11,7 @@ import faulthandler
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
@@ -23,6 +23,7 @@ from fd_core.outputs import ScheduledRequest, StepPlan, StepResult
 from fd_core.request import Request, SamplingParams
 from fd_core.runner.attention_metadata import build_attention_metadata, order_rows
 from fd_core.runner.kv_cache import allocate_kv_caches
+from fd_core.runner.memory import MemoryUsage, measure_memory
 from fd_core.runner.sampling import token_logprobs
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class ModelRunner:
     process may run on) its CPU math thread count; both are process-wide, as a runner owns
     its worker process. ``kv_caches`` is public so connectors can read and fill blocks.
     ``kernels`` are the swappable ops chosen from the platform's capabilities (default: portable).
+    ``release_weights`` is called once the model is built, before the KV pool is allocated: the
+    caller frees the load-time ``weights`` there (the model holds what it needs in the kernels'
+    layouts), so that they and the pool are never resident together at start-up.
     """
 
     def __init__(self, architecture: ModelArchitecture, arch: ModelShape, weights: Mapping[str, Any], *,
@@ -66,7 +70,7 @@ class ModelRunner:
                  sampler: TokenSampler, num_threads: int | None = None,
                  kernels: KernelSet = PORTABLE_KERNELS, kv_dtype: str | None = None,
                  linear_weights: str = "float32", linear_inputs: str = "float32",
-                 attention_inputs: str = "float32") -> None:
+                 attention_inputs: str = "float32", release_weights: Callable[[], None] | None = None) -> None:
         paddle.set_device(device)
         # Paddle's CPU kernels default to one thread; decode matmuls scale with cores.
         paddle.base.core.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
@@ -77,8 +81,11 @@ class ModelRunner:
         self.sampler = sampler
         self.kernels = kernels
         self.warm_up_seconds: float | None = None   # set by warm_up()
+        self.memory: MemoryUsage | None = None       # set by measure_memory(), once start-up ends
         precision = ModelPrecision(dtype, linear_weights, linear_inputs, attention_inputs)
         self.model = architecture.build(arch, weights, kernels=kernels, precision=precision)
+        if release_weights is not None:   # before the pool is allocated: the two never sit in memory together
+            release_weights()
         self.kv_caches = allocate_kv_caches(arch, num_blocks=num_blocks, block_size=block_size,
                                             dtype=kv_dtype or dtype)
 
@@ -177,6 +184,12 @@ class ModelRunner:
                 self.release([request.request_id])
         self.warm_up_seconds = time.perf_counter() - begin
         return self.warm_up_seconds
+
+    def measure_memory(self) -> MemoryUsage:
+        """This process's resident memory by part now (weights as the kernels hold them, the KV pool,
+        the rest), kept in :attr:`memory`; the builder calls it once, when start-up ends."""
+        self.memory = measure_memory(self.model, self.kv_caches)
+        return self.memory
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget finished or aborted requests' sampler state (their blocks are freed elsewhere)."""

@@ -1,9 +1,9 @@
 """The Prometheus metrics of ``GET /metrics``, in a registry of their own.
 
 Two kinds of figures: the engine's own gauges and totals (running/waiting requests, KV blocks,
-prefix-cache lookups, preemptions, token totals), copied from an EngineStats snapshot taken
-when ``/metrics`` is scraped; and per-request latency histograms observed here from each
-request's final output (TTFT, TPOT, end-to-end, queue time).
+prefix-cache lookups, preemptions, token totals, resident memory by part at start-up), copied
+from an EngineStats snapshot taken when ``/metrics`` is scraped; and per-request latency
+histograms observed here from each request's final output (TTFT, TPOT, end-to-end, queue time).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class _EngineCollector(Collector):
                                   value=stats["num_proposed_tokens"])
         yield CounterMetricFamily("fd_spec_accepted_tokens", "Proposed tokens accepted (speculative decoding).",
                                   value=stats["num_accepted_tokens"])
+        yield from _memory_metrics(stats.get("memory") or {})
         yield from _scheduler_metrics(stats.get("scheduler") or {})
         yield from _figure_metrics("fd_splitwise", "Prefill/decode hand-off", stats.get("splitwise") or {},
                                    gauges=_SPLITWISE_GAUGES)
@@ -78,6 +79,26 @@ _SCHEDULER_COUNTERS: Final = frozenset({"served_for_peers", "taken_by_peers", "l
 
 #: Hand-off figures that go up and down (the others only grow).
 _SPLITWISE_GAUGES: Final = frozenset({"transfers_open", "waiting_for_blocks", "jobs_open", "jobs_queued"})
+
+
+#: The parts of ``EngineStats.memory`` that add up to the resident set (``fd_core.runner.memory``).
+MEMORY_PARTS: Final = ("weights", "kv_cache", "runtime")
+
+
+def _memory_metrics(memory: dict[str, int]) -> Iterator[Metric]:
+    """``fd_memory_bytes{part}`` and the resident set it adds up to, with its peak, as measured when
+    start-up ended (summed over data-parallel ranks); nothing before the engine measured them."""
+    if not memory:
+        return
+    parts = GaugeMetricFamily("fd_memory_bytes", "Resident memory by part when start-up ended: weights as the "
+                              "kernels hold them, the KV pool, and the rest (runtime).", labels=["part"])
+    for part in MEMORY_PARTS:
+        parts.add_metric([part], memory[part])
+    yield parts
+    yield GaugeMetricFamily("fd_memory_resident_bytes", "Resident memory (VmRSS) when start-up ended.",
+                            value=memory["resident"])
+    yield GaugeMetricFamily("fd_memory_peak_resident_bytes", "Peak resident memory (VmHWM) when start-up ended.",
+                            value=memory["peak_resident"])
 
 
 def _hook_metrics(traced: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "aligned.h"
+#include "fresh_pages.h"
 #include "mkl_api.h"
 #include "paddle/extension.h"
 
@@ -99,6 +100,7 @@ std::vector<paddle::Tensor> PackInt8(const paddle::Tensor& codes, const std::str
   const Int8Functions& m = int8_functions(mkl_path);
   const auto bytes = static_cast<int64_t>(m.get_size(kBMatrix, kPackRows, n, k));
   auto packed = paddle::empty({bytes}, paddle::DataType::UINT8, codes.place());
+  discard_pages(packed.data<uint8_t>(), bytes);   // MKL writes part of it (fresh_pages.h)
   m.pack(kRowMajor, kBMatrix, kTrans, kPackRows, n, k, codes.data<int8_t>(), k, packed.data<uint8_t>());
   return {packed};
 }

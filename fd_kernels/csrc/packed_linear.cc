@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "fresh_pages.h"
 #include "mkl_api.h"
 #include "paddle/extension.h"
 
@@ -34,6 +35,7 @@ std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& weight, bool transp
   const Functions& m = functions(mkl_path);
   const auto bytes = static_cast<int64_t>(m.get_size(kBMatrix, kPackRows, n, k));
   auto packed = paddle::empty({bytes}, paddle::DataType::UINT8, weight.place());
+  discard_pages(packed.data<uint8_t>(), bytes);   // MKL writes part of it (fresh_pages.h)
   m.pack(kRowMajor, kBMatrix, transposed ? kTrans : kNoTrans, kPackRows, n, k, 1.0f, weight.data<float>(), cols,
          reinterpret_cast<float*>(packed.data<uint8_t>()));
   return {packed};

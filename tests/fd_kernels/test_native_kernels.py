@@ -4,6 +4,7 @@ shuffled block tables; the metadata comes from the real builder, as the model ge
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -339,3 +340,34 @@ def test_a_later_start_loads_the_built_library_without_starting_paddle_s_build(c
                "print(callable(ops.fd_paged_attention))\n")
     run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-2000:]
+
+
+#: Packs a [576, 960] weight (MKL's buffer: ~5x its bytes) into memory that held written and freed
+#: data, under the heap tuning the cpu platform applies, four times: resident, allocated, float32 bytes.
+_PACK_INTO_USED_MEMORY = """
+import json, paddle
+from fd_core.runner.memory import resident_bytes
+from fd_kernels import native
+from fd_plugins.platforms.cpu import CpuPlatform
+from fd_plugins.platforms.host_tuning import keep_freed_memory
+keep_freed_memory()
+linear = native.prepare_linear(CpuPlatform().capabilities)
+figures = []
+for _ in range(4):
+    used = paddle.ones([64 << 18])   # 64 MiB written, then freed: the heap keeps it for the next buffer
+    del used
+    packed = linear.prepare(paddle.ones([576, 960]))
+    figures.append([resident_bytes([packed.data]), packed.data.shape[0], 576 * 960 * 4])
+print(json.dumps(figures))
+"""
+
+
+def test_a_packed_weight_holds_only_the_pages_mkl_writes(cpp) -> None:
+    """MKL sizes a packed weight for its largest case and writes part of it; the rest must not keep
+    the stale pages the memory held before (they stayed resident beside every packed weight)."""
+    run = subprocess.run([sys.executable, "-c", _PACK_INTO_USED_MEMORY], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for resident, allocated, dense in json.loads(run.stdout):
+        assert allocated > 3 * dense   # the case that matters
+        # MKL's layout pads what it writes a little (more on huge pages): far below the allocation
+        assert resident <= 1.5 * dense, (resident, allocated, dense)

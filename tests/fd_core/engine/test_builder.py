@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 
 import pytest
 
@@ -18,6 +19,7 @@ from fd_core.errors import ConfigError
 from fd_core.model.arch import LlamaArchConfig
 from fd_core.model.kernels import PORTABLE_KERNELS
 from fd_core.runner.kv_cache import kv_cache_bytes_per_block
+from fd_core.runner.memory import array_span, held_arrays
 from fd_kernels import native
 from fd_plugins.platforms import cpu_features
 from fd_plugins.platforms.cpu import CpuPlatform, CpuSettings
@@ -247,3 +249,20 @@ def select_host_kernels():
     from fd_core.model.kernels import select_kernels
 
     return select_kernels(CpuPlatform().capabilities)
+
+
+def test_start_up_reports_resident_memory_by_part(make_llm, caplog):
+    with caplog.at_level(logging.INFO, logger="fd_core.engine.builder"):
+        llm = make_llm(cache={"num_blocks": 64})
+    memory, runner = llm.engine.stats().memory, llm.engine.runner
+    pool = 64 * kv_cache_bytes_per_block(runner.arch, load_config().cache.block_size)
+    # the pool is zeroed at start-up: every page resident (its tensors' ends may share a page)
+    assert pool <= memory["kv_cache"] <= pool + 4 * runner.arch.num_hidden_layers * mmap.PAGESIZE
+    held = held_arrays(runner.model)
+    allocated = sum(array_span(array)[1] for array in held)
+    assert 0 < memory["weights"] <= allocated + 2 * len(held) * mmap.PAGESIZE
+    assert memory["weights"] + memory["kv_cache"] + memory["runtime"] == memory["resident"]
+    assert memory["resident"] <= memory["peak_resident"]
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: "))
+    assert line.endswith(f"weights {memory['weights'] >> 20:,} MiB as the kernels hold them, KV pool "
+                         f"{memory['kv_cache'] >> 20:,} MiB, runtime {memory['runtime'] >> 20:,} MiB")

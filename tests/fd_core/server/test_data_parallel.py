@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import os
 import signal
 import threading
@@ -15,10 +16,13 @@ import pytest
 
 from fd_core.config import load_config
 from fd_core.errors import EngineDeadError
+from fd_core.model.loader import load_model
 from fd_core.outputs import RequestOutput
 from fd_core.request import FinishReason, Request, SamplingParams
+from fd_core.runner.kv_cache import kv_cache_bytes_per_block
 from fd_core.server import wire
 from fd_core.server.data_parallel import DataParallelClient, split_cpus
+from fd_core.server.metrics import MEMORY_PARTS
 from tests.fd_core.server import constrained
 from tests.fd_core.server.conftest import START_TIMEOUT_S, TINY_ARGS, start_server
 from tests.fd_core.server.test_lifecycle import read_stream
@@ -72,6 +76,13 @@ def test_two_ranks_answer_like_one_share_the_work_and_free_every_block(tiny_mode
         for rank in ("0", "1"):
             assert metric(text, "fd_dp_rank_generation_tokens_total", f'{{rank="{rank}"}}') > 0, text
             assert metric(text, "fd_dp_rank_up", f'{{rank="{rank}"}}') == 1
+        arch = load_model(str(tiny_model)).arch   # the resident memory is summed over the ranks: two pools
+        pool = int(TINY_ARGS[TINY_ARGS.index("--cache.num_blocks") + 1]) * kv_cache_bytes_per_block(
+            arch, load_config().cache.block_size)
+        kv_cache = metric(text, "fd_memory_bytes", '{part="kv_cache"}')
+        assert 2 * pool <= kv_cache <= 2 * pool + 8 * arch.num_hidden_layers * mmap.PAGESIZE, text
+        assert metric(text, "fd_memory_resident_bytes") == sum(
+            metric(text, "fd_memory_bytes", f'{{part="{part}"}}') for part in MEMORY_PARTS)
         _wait_for(lambda: all(
             metric(t := metrics(server.url), "fd_dp_rank_kv_cache_blocks_free", f'{{rank="{r}"}}')
             == metric(t, "fd_dp_rank_kv_cache_blocks_total", f'{{rank="{r}"}}') > 0 for r in "01"),
