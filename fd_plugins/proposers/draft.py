@@ -89,6 +89,7 @@ class DraftProposer(Proposer):
                               "share the served model's tokenizer")
         self.runner = ModelRunner(loaded.architecture, loaded.arch, loaded.weights, num_blocks=settings.num_blocks,
                                   block_size=settings.block_size, sampler=Sampler(),
+                                  release_weights=loaded.weights.clear,   # built: the load-time arrays go first
                                   **({"kernels": runtime.kernels, "device": runtime.device, "dtype": runtime.dtype}
                                      if runtime is not None else {"kernels": PORTABLE_KERNELS}))
         self.block_size = settings.block_size
