@@ -152,9 +152,13 @@ class ModelRunner:
 
     def _verify(self, request: Request, logits: np.ndarray, result: StepResult) -> None:
         """Verify the proposed tokens of ``request``'s row from its logits [proposed + 1, V]: the
-        accepted ones go to ``result.accepted``, the model's next token to ``result.sampled``."""
+        accepted ones go to ``result.accepted``, the model's next token to ``result.sampled``; a row its
+        constraint leaves no token goes to ``result.failed`` (the core ends the request)."""
         proposed = request.spec_token_ids[:len(logits) - 1]
         *accepted, last = self.sampler.verify(logits, request, proposed)
+        if last.error is not None:
+            result.failed[request.request_id] = last.error
+            return
         result.num_proposed[request.request_id] = len(proposed)
         if accepted:
             result.accepted[request.request_id] = accepted

@@ -17,8 +17,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from fd_core.config import load_config
+from fd_core.engine.builder import build_engine
 from fd_core.engine.llm import LLM
-from fd_core.request import FinishReason, GuidedDecoding, SamplingParams
+from fd_core.request import FinishReason, GuidedDecoding, Request, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 #: The chi-square statistic's value that a true fit exceeds with probability 0.001, by degrees of freedom.
@@ -50,6 +52,54 @@ class Oracle(Proposer):
 @fd_core.hookimpl
 def fd_register_proposers():
     return [Oracle]
+"""
+
+FIXED_GUESS = """
+from fd_core.contracts.proposer import Proposer
+
+
+class Fixed(Proposer):
+    \"\"\"Guesses tokens 5 and 6, whatever the request.\"\"\"
+
+    name = "fixed"
+    fd_hookspec_version = fd_core.FD_HOOKSPEC_VERSION
+
+    def propose(self, requests, budgets):
+        return [[5, 6][:budget] for budget in budgets]
+
+
+@fd_core.hookimpl
+def fd_register_proposers():
+    return [Fixed]
+"""
+
+#: A constraint that lasts a few steps (8 to 12 digits).
+REGEX = GuidedDecoding("regex", "[0-9]{8,12}")
+
+BREAKS_LATER = """
+from fd_plugins.guided_decoding.xgrammar_backend import XGrammarBackend, XGrammarMatcher
+
+
+class _Breaking(XGrammarMatcher):
+    fills = 0
+
+    def fill_mask(self, bitmask, row):
+        self.fills += 1
+        if self.fills == 3:
+            raise RuntimeError("failed on its third mask")
+        super().fill_mask(bitmask, row)
+
+
+class BreaksLater(XGrammarBackend):
+    name = "breaks-later"
+
+    def matcher(self, compiled, stop_token_ids):
+        return _Breaking(super().matcher(compiled, stop_token_ids)._matcher)
+
+
+@fd_core.hookimpl
+def fd_register_guided_decoding():
+    return [BreaksLater]
 """
 
 BROKEN = """
@@ -307,6 +357,36 @@ def test_a_constrained_request_accepts_only_what_its_constraint_allows(install_p
     for reply in replies:
         constrained.Reading.model_validate_json(reply.text)
     assert 0 < stats.num_accepted_tokens < stats.num_proposed_tokens
+
+
+def test_a_constrained_row_that_fails_while_speculating_ends_that_request_alone(install_plugin, tiny_model_dir):
+    """A guided-decoding backend whose matchers fail on their third mask: the step that verifies
+    guesses under it ends that request with the backend's error (no token goes out for it), and
+    another request speculating beside it goes on."""
+    install_plugin("fixed_guess", FIXED_GUESS)
+    install_plugin("breaks_later", BREAKS_LATER)
+    engine = build_engine(load_config(model={"source": tiny_model_dir}, cache={"num_blocks": 64},
+                                      proposer={"name": "fixed", "max_proposed_tokens_per_step": 1024},
+                                      guided_decoding={"name": "breaks-later"},
+                                      plugins={"hooks": ["fixed_guess", "breaks_later"]}))
+    eos = engine.tokenizer.eos_token_ids
+    broken = Request("broken", [5, 17, 42], SamplingParams(max_tokens=20, temperature=0.0, guided=REGEX),
+                     eos_token_ids=eos)
+    free = Request("free", [5, 17, 42], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                   eos_token_ids=eos)
+    for request in (broken, free):
+        engine.add_request(request)
+    done = {}
+    for _ in range(100):
+        engine.step()
+        done.update({o.request_id: o for o in engine.get_results(timeout=0) if o.finished})
+        if len(done) == 2:
+            break
+    assert done["broken"].finish_reason is FinishReason.ERROR and "third mask" in done["broken"].error
+    assert -1 not in broken.output_token_ids and len(broken.output_token_ids) == 2   # the mask failed on its third
+    assert done["free"].finish_reason is FinishReason.LENGTH and len(free.output_token_ids) == 12
+    assert engine.stats().num_proposed_tokens > 0
+    assert engine.resource_manager.num_free_blocks() == 64
 
 
 def test_per_request_opt_out_and_unsupported_sampling_are_not_speculated(tiny_model_dir, reference):
