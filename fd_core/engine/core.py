@@ -93,6 +93,9 @@ class EngineStats:
     num_proposed_tokens: int = 0    # speculative decoding: proposed tokens the runner verified
     num_accepted_tokens: int = 0    # and those it accepted (also in num_generated_tokens)
     memory: dict[str, int] = dataclasses.field(default_factory=dict)  # bytes by part at start-up (MemoryUsage)
+    busy_seconds: float = 0.0       # wall time in steps that ran a batch (scheduling, runner, outputs)
+    runner_seconds: float = 0.0     # of which in the model runner (forward pass, sampling, verification)
+    cpu_seconds: float = 0.0        # CPU time of the process running the engine (every thread), now
 
 
 class EngineCore:
@@ -139,6 +142,8 @@ class EngineCore:
         self._num_steps = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
+        self._busy_seconds = 0.0
+        self._runner_seconds = 0.0
         self._stats = self._collect_stats()   # replaced whole after every step; read from any thread
 
     @property
@@ -277,6 +282,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns (and routes) the outputs it produced."""
+        started = time.perf_counter()
         outputs = self._apply_aborts()
         outputs += self._apply_handoff()
         self._take_in()
@@ -289,6 +295,8 @@ class EngineCore:
         finally:
             self._speculation.clear()
         self._idle = plan.is_empty and not outputs
+        if not plan.is_empty:
+            self._busy_seconds += time.perf_counter() - started
         self._stats = self._collect_stats()
         self._tell(self.scheduler, "note_capacity", self._stats.kv, self._room())
         return self._route(outputs)
@@ -302,7 +310,8 @@ class EngineCore:
         safe from any thread."""
         return dataclasses.replace(self._stats, scheduler=self._scheduler_stats(), splitwise=self.handoff.stats(),
                                    hooks=self._hook_tracer.snapshot() if self._hook_tracer is not None else [],
-                                   memory=self.runner.memory.as_dict() if self.runner.memory is not None else {})
+                                   memory=self.runner.memory.as_dict() if self.runner.memory is not None else {},
+                                   cpu_seconds=time.process_time())
 
     def close(self) -> None:
         """After the last step: tell the plugins (``fd_engine_stopped``, if :meth:`start` ran),
@@ -327,7 +336,8 @@ class EngineCore:
     def _collect_stats(self) -> EngineStats:
         return EngineStats(self.resource_manager.stats(), self.scheduler.num_waiting(), self._num_steps,
                            self._num_prompt_tokens, self._num_generated_tokens, {}, {}, [],
-                           self._speculation.num_proposed_tokens, self._speculation.num_accepted_tokens)
+                           self._speculation.num_proposed_tokens, self._speculation.num_accepted_tokens,
+                           busy_seconds=self._busy_seconds, runner_seconds=self._runner_seconds)
 
     def _scheduler_stats(self) -> dict[str, Any]:
         try:
@@ -456,12 +466,15 @@ class EngineCore:
 
     def _execute(self, plan: StepPlan) -> list[RequestOutput]:
         self._num_steps += 1
+        started = time.perf_counter()
         try:
             result = self.runner.execute(plan)
         except Exception as exc:  # a runner failure fails this batch, not the engine
             log.exception("model runner failed on a step of %d rows", len(plan.scheduled))
             return self._end([(row.request, FinishReason.ERROR, f"model runner failed: {exc}", None)
                               for row in plan.scheduled if row.request.request_id in self._in_engine])
+        finally:
+            self._runner_seconds += time.perf_counter() - started
         self._count_tokens(plan, result)
         if result.prompt_logprobs:   # before the hand-off: a prefill instance ships them with the first token
             for row in plan.scheduled:

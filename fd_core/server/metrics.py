@@ -1,9 +1,10 @@
 """The Prometheus metrics of ``GET /metrics``, in a registry of their own.
 
-Two kinds of figures: the engine's own gauges and totals (running/waiting requests, KV blocks,
-prefix-cache lookups, preemptions, token totals, resident memory by part at start-up), copied
-from an EngineStats snapshot taken when ``/metrics`` is scraped; and per-request latency
-histograms observed here from each request's final output (TTFT, TPOT, end-to-end, queue time).
+Three kinds of figures: the engine's own gauges and totals (running/waiting requests, KV blocks,
+prefix-cache lookups, preemptions, token totals, busy / runner / CPU seconds, resident memory by
+part at start-up), copied from an EngineStats snapshot taken when ``/metrics`` is scraped;
+per-request latency histograms observed here from each request's final output (TTFT, TPOT,
+end-to-end, queue time); and the front end's own process figures (``process_cpu_seconds_total``...).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -60,6 +61,7 @@ class _EngineCollector(Collector):
                                   value=stats["num_proposed_tokens"])
         yield CounterMetricFamily("fd_spec_accepted_tokens", "Proposed tokens accepted (speculative decoding).",
                                   value=stats["num_accepted_tokens"])
+        yield from _time_metrics(stats)
         yield from _memory_metrics(stats.get("memory") or {})
         yield from _scheduler_metrics(stats.get("scheduler") or {})
         yield from _figure_metrics("fd_splitwise", "Prefill/decode hand-off", stats.get("splitwise") or {},
@@ -79,6 +81,17 @@ _SCHEDULER_COUNTERS: Final = frozenset({"served_for_peers", "taken_by_peers", "l
 
 #: Hand-off figures that go up and down (the others only grow).
 _SPLITWISE_GAUGES: Final = frozenset({"transfers_open", "waiting_for_blocks", "jobs_open", "jobs_queued"})
+
+
+def _time_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Where the engine's time goes (summed over data-parallel ranks): with the front end's own
+    ``process_cpu_seconds_total``, they tell the engine's work from the serving around it."""
+    yield CounterMetricFamily("fd_engine_busy_seconds", "Wall time in engine steps that ran a batch.",
+                              value=stats["busy_seconds"])
+    yield CounterMetricFamily("fd_engine_runner_seconds", "Wall time in the model runner (forward pass, sampling).",
+                              value=stats["runner_seconds"])
+    yield CounterMetricFamily("fd_engine_cpu_seconds", "CPU time of the engine process (every thread).",
+                              value=stats["cpu_seconds"])
 
 
 #: The parts of ``EngineStats.memory`` that add up to the resident set (``fd_core.runner.memory``).
@@ -169,6 +182,7 @@ class ServerMetrics:
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
         r = self.registry
+        ProcessCollector(registry=r)   # the front end's own process_cpu_seconds_total, resident memory...
         self.ttft = Histogram("fd_time_to_first_token_seconds", "Arrival to first output token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("fd_time_per_output_token_seconds", "Mean time per output token after the first.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -265,3 +266,19 @@ def test_siblings_of_a_large_n_call_do_not_hold_a_later_request_back(tiny_model_
         if not engine.has_unfinished():
             break
     assert len(order) == 17 and order[0] == "small"
+
+
+def test_busy_and_runner_seconds_count_steps_that_ran_a_batch_only(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    engine.step()   # nothing to do
+    idle = engine.stats()
+    assert idle.busy_seconds == idle.runner_seconds == 0.0 and idle.cpu_seconds > 0
+    engine.add_request(Request("timed", [5, 6, 7], PARAMS))
+    started = time.perf_counter()
+    _drain(engine)
+    elapsed = time.perf_counter() - started
+    for _ in range(3):
+        engine.step()   # idle again: nothing more counted
+    stats = engine.stats()
+    assert 0 < stats.runner_seconds < stats.busy_seconds <= elapsed
+    assert stats.cpu_seconds > idle.cpu_seconds

@@ -61,6 +61,12 @@ def test_cpus_are_shared_out_without_overlap() -> None:
     assert split_cpus([5], 3) == [[5], [5], [5]]
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (every thread), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_two_ranks_answer_like_one_share_the_work_and_free_every_block(tiny_model, tmp_path, reference) -> None:
     server = start_server(tmp_path, "--model.source", str(tiny_model), *TINY_ARGS,
                           "--parallel.data_parallel_size", "2")
@@ -83,6 +89,12 @@ def test_two_ranks_answer_like_one_share_the_work_and_free_every_block(tiny_mode
         assert 2 * pool <= kv_cache <= 2 * pool + 8 * arch.num_hidden_layers * mmap.PAGESIZE, text
         assert metric(text, "fd_memory_resident_bytes") == sum(
             metric(text, "fd_memory_bytes", f'{{part="{part}"}}') for part in MEMORY_PARTS)
+        cpu_before = sum(_cpu_seconds(pid) for pid in server.engine_pids())
+        text = metrics(server.url)   # the engines' CPU time, summed over the ranks, as /proc counts it
+        cpu_after = sum(_cpu_seconds(pid) for pid in server.engine_pids())
+        assert cpu_before - 0.05 <= metric(text, "fd_engine_cpu_seconds_total") <= cpu_after + 0.05, text
+        assert 0 < metric(text, "fd_engine_runner_seconds_total") < metric(text, "fd_engine_busy_seconds_total")
+        assert metric(text, "process_cpu_seconds_total") > 0   # the front end's own
         _wait_for(lambda: all(
             metric(t := metrics(server.url), "fd_dp_rank_kv_cache_blocks_free", f'{{rank="{r}"}}')
             == metric(t, "fd_dp_rank_kv_cache_blocks_total", f'{{rank="{r}"}}') > 0 for r in "01"),
