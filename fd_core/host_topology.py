@@ -136,13 +136,13 @@ def read_host_topology(root: str | os.PathLike[str] = "/sys", cpus: list[int] | 
     siblings outside ``cpus`` are left out of it.
     """
     root = Path(root)
-    usable = sorted(set(cpus if cpus is not None else os.sched_getaffinity(0)))
+    wanted = set(cpus if cpus is not None else os.sched_getaffinity(0))
     node_of = _nodes(root)
     facts: dict[int, tuple[int | None, int | None, str | None, tuple[int, ...] | None]] = {}
-    for cpu in usable:
+    for cpu in sorted(wanted):
         cpu_dir = root / "devices" / "system" / "cpu" / f"cpu{cpu}"
         siblings = _read_cpulist(cpu_dir / "topology" / "thread_siblings_list")
-        core = tuple(c for c in siblings if c in usable) if siblings and cpu in siblings else None
+        core = tuple(c for c in siblings if c in wanted) if siblings and cpu in siblings else None
         facts[cpu] = (_package(cpu_dir), node_of.get(cpu), _l3(cpu_dir), core)
     unknown = tuple(fact for i, fact in enumerate(FACTS) if all(f[i] is None for f in facts.values()))
     groups: dict[tuple[int, int, str], list[tuple[int, ...]]] = {}
