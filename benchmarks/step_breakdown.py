@@ -17,6 +17,10 @@ GGUF blocks:
     python benchmarks/step_breakdown.py --rows 1 --kernels auto \
         --variant 'keep={"model": {"quantized_weights": "keep"}}'
 
+``--threads 1,2`` runs ``auto`` once per math-thread count (the cpu platform's ``num_threads``)
+and adds each component's speed-up and its parallel share by Amdahl's law: the thread-scaling
+model of each kernel (docs/platforms.md, "Many cores").
+
 A mixture-of-experts model's rows name the whole MoE block (routing, experts, gathers and
 scatters; its parts are rows too) and the ``moe_experts`` kernel; where that runs the portable
 path, its parts: the routing and its experts' products (``linear expert gate_up``...).
@@ -125,7 +129,8 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
 
     requested, sections = sections, dict(sections)
     block_size = sections.get("cache", {}).get("block_size", CacheSection.model_fields["block_size"].default)
-    llm = LLM(sections.pop("model", None), platform={"name": "cpu", "options": {"kernels": kernels}},
+    options = {"kernels": kernels, **sections.pop("platform", {}).get("options", {})}
+    llm = LLM(sections.pop("model", None), platform={"name": "cpu", "options": options},
               engine={"max_num_seqs": rows, "max_num_batched_tokens": 2048, **sections.pop("engine", {})},
               cache={"num_blocks": rows * -(-(prompt_len + steps + 64) // block_size) + 64,
                      "enable_prefix_caching": False, **sections.pop("cache", {})},
@@ -191,6 +196,22 @@ def measure(kernels: str, rows: int, prompt_len: int, steps: int, sections: dict
             "prompt_len": prompt_len, "phase": phase, "steps": steps, "ms_per_step": per_step, **rate}
 
 
+def print_scaling(reports: list[dict], components: list[str]) -> None:
+    """Each component's speed-up from the fewest threads to the most, and the parallel share that
+    Amdahl's law gives it (1: all of it scaled; 0: none did)."""
+    first, last = reports[0], reports[-1]
+    ratio = int(last["label"].split()[0]) / int(first["label"].split()[0])
+    print(f"\n| component | speed-up {first['label']} -> {last['label']} | parallel share (Amdahl) |")
+    print("|---|---|---|")
+    for name in components:
+        before, after = first["ms_per_step"].get(name, 0), last["ms_per_step"].get(name, 0)
+        if name == "steps" or before <= 0 or after <= 0:
+            continue
+        speed_up = before / after
+        share = (1 - 1 / speed_up) / (1 - 1 / ratio)
+        print(f"| {name} | {speed_up:.2f}x | {share:.2f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", default="portable,auto")
@@ -200,6 +221,9 @@ def main() -> int:
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
                         help="also run the auto kernels with these config sections, shown as LABEL")
+    parser.add_argument("--threads", default="", metavar="N,M,...",
+                        help="also run the auto kernels with each math-thread count (platform num_threads), "
+                             "and print each component's speed-up from the first count to the last")
     parser.add_argument("--json-out")
     parser.add_argument("--one", help=argparse.SUPPRESS)   # internal: measure one choice in this process
     parser.add_argument("--one-sections", default="{}", help=argparse.SUPPRESS)
@@ -210,6 +234,8 @@ def main() -> int:
         return 0
     runs = [(kernels, kernels, "{}") for kernels in args.kernels.split(",") if kernels]
     runs += [(label, "auto", sections) for label, _, sections in (v.partition("=") for v in args.variant)]
+    threads = [int(t) for t in args.threads.split(",") if t]
+    runs += [(f"{t} threads", "auto", json.dumps({"platform": {"options": {"num_threads": t}}})) for t in threads]
     reports = []
     for label, kernels, sections in runs:
         proc = subprocess.run([sys.executable, __file__, "--one", kernels, "--one-sections", sections,
@@ -236,6 +262,8 @@ def main() -> int:
     print(f"| {args.phase} tok/s | " + " | ".join(str(r[rate]) for r in reports) + " |")
     for r in reports:
         print(f"{r['label']}: {r['chosen']}")
+    if len(threads) > 1:
+        print_scaling([r for r in reports if r["label"].endswith(" threads")], components)
     if args.json_out:
         with open(args.json_out, "w") as out:
             json.dump({"cpu": cpu, "reports": reports}, out, indent=1)

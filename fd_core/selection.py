@@ -290,7 +290,7 @@ def _check_splitwise(config: FdConfig, selection: Selection) -> Problems:
     if role == "decode" and manager is not None and not manager.cls.supports_reserve:
         problems.append(("resource_manager.name", f"{manager.name!r} cannot reserve blocks for KV computed elsewhere, "
                                                   "which a decode instance needs; use v1 or v0"))
-    if config.parallel.data_parallel_size > 1:
+    if config.parallel.data_parallel_size not in (1, "auto"):   # "auto" is 1 here
         problems.append(("parallel.data_parallel_size", f"a {role} instance runs one engine; start one fd-serve per "
                                                         "instance instead"))
     return problems

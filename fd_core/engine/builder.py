@@ -199,37 +199,41 @@ def _max_model_len(config: FdConfig, arch: ModelShape) -> int:
     return wanted
 
 
-def _pool_too_small(platform: Platform, utilization: float, budget: int, weights_bytes: int, fits: int,
+def _pool_too_small(platform: Platform, utilization: float, ranks: int, budget: int, weights_bytes: int, fits: int,
                     blocks_per_seq: int, max_model_len: int) -> ConfigError:
     """The error of a KV pool that cannot hold one full-length request, naming the knob that
     limited it: the platform's own cap (it answered below the memory profile), else the share."""
     from fd_core.contracts.platform import Platform as PlatformContract
 
-    by_profile = PlatformContract.kv_cache_memory_bytes(platform, utilization=utilization, weights_bytes=weights_bytes,
+    by_profile = PlatformContract.kv_cache_memory_bytes(platform, utilization=utilization / ranks,
+                                                        weights_bytes=weights_bytes,
                                                         activation_reserve_bytes=ACTIVATION_RESERVE_BYTES)
     need = f"{fits} blocks, but one {max_model_len}-token request needs {blocks_per_seq}"
+    share = f"{utilization}" + (f" shared by {ranks} data-parallel ranks" if ranks > 1 else "")
     if budget < by_profile:
         return ConfigError("platform.options", (
             f"platform {platform.name!r} allows {budget >> 20} MiB for the KV cache ({need}), less than "
-            f"cache.memory_utilization = {utilization} would give ({by_profile >> 20} MiB): the platform's own "
+            f"cache.memory_utilization = {share} would give ({by_profile >> 20} MiB): the platform's own "
             f"limit applies; raise it in [platform.options], lower model.max_model_len, or set cache.num_blocks"))
     return ConfigError("cache.memory_utilization", (
-        f"{utilization} leaves {budget >> 20} MiB for the KV cache: {need}; raise it, lower "
-        f"model.max_model_len, or set cache.num_blocks"))
+        f"{share} leaves {budget >> 20} MiB for the KV cache: {need}; raise it, lower model.max_model_len"
+        + (", use fewer ranks (parallel.data_parallel_size)" if ranks > 1 else "") + ", or set cache.num_blocks"))
 
 
 def _plan_from_memory(memory: int, platform: Platform, per_block: int, blocks_per_seq: int, cap: int,
-                      max_model_len: int) -> KVPlan:
-    """The pool of ``cache.memory`` bytes, capped at what ``max_num_seqs`` full-length requests use."""
+                      max_model_len: int, ranks: int) -> KVPlan:
+    """The pool of ``cache.memory`` bytes, capped at what ``max_num_seqs`` full-length requests use;
+    the ``ranks`` data-parallel ranks starting together need one each."""
     blocks = memory // per_block
     if blocks < blocks_per_seq:
         raise ConfigError("cache.memory", (
             f"{memory} bytes hold {blocks} KV blocks of {per_block} bytes, but one {max_model_len}-token "
             f"request needs {blocks_per_seq}; raise it or lower model.max_model_len"))
     free = platform.memory_profile().free_bytes - ACTIVATION_RESERVE_BYTES
-    if memory > free:
+    if memory * ranks > free:
+        each = f" for each of {ranks} data-parallel ranks" if ranks > 1 else ""
         raise ConfigError("cache.memory", (
-            f"{memory >> 20} MiB is more than the {max(0, free) >> 20} MiB free now (after "
+            f"{memory >> 20} MiB{each} is more than the {max(0, free) >> 20} MiB free now (after "
             f"{ACTIVATION_RESERVE_BYTES >> 20} MiB kept for activations); lower it"))
     if cap < blocks:
         return KVPlan(cap, per_block, f"cache.memory, capped at {cap} blocks for engine.max_num_seqs")
@@ -246,24 +250,32 @@ def plan_kv_pool(config: FdConfig, arch: ModelShape, platform: Platform, *, max_
     ``cache.memory_utilization`` unset, a pool in host memory is also capped at
     :data:`HOST_DEFAULT_KV_CAP_BYTES` (never below one full-length request): RAM is shared with
     everything else on the machine, and most deployments of a small model need far less.
+
+    With N data-parallel ranks (``parallel.data_parallel_size``, a number by now) the memory share
+    is the whole server's: each rank sizes its pool from ``memory_utilization / N`` (its own
+    weights and activation reserve come out of that), so N ranks together stay within the share.
+    ``cache.memory`` and ``cache.num_blocks`` are each rank's pool.
     """
     from fd_core.runner.kv_cache import kv_cache_bytes_per_block
 
     block_size = config.cache.block_size
     per_block = kv_cache_bytes_per_block(arch, block_size, kv_cache_dtype(config))
     blocks_per_seq = -(-max_model_len // block_size)
+    ranks = config.parallel.data_parallel_size
+    assert isinstance(ranks, int), "resolve data_parallel_size 'auto' before building an engine"
     if config.cache.num_blocks is not None:
         return KVPlan(config.cache.num_blocks, per_block, "cache.num_blocks")
     cap = blocks_per_seq * config.engine.max_num_seqs
     if config.cache.memory is not None:
-        return _plan_from_memory(config.cache.memory, platform, per_block, blocks_per_seq, cap, max_model_len)
+        return _plan_from_memory(config.cache.memory, platform, per_block, blocks_per_seq, cap, max_model_len, ranks)
     utilization = config.cache.memory_utilization or DEFAULT_MEMORY_UTILIZATION
-    budget = platform.kv_cache_memory_bytes(utilization=utilization, weights_bytes=weights_bytes,
+    budget = platform.kv_cache_memory_bytes(utilization=utilization / ranks, weights_bytes=weights_bytes,
                                             activation_reserve_bytes=ACTIVATION_RESERVE_BYTES)
     fits = budget // per_block
     if fits < blocks_per_seq:
-        raise _pool_too_small(platform, utilization, budget, weights_bytes, fits, blocks_per_seq, max_model_len)
-    source = f"profile: {budget >> 20} MiB for KV, capped at {cap} blocks for engine.max_num_seqs"
+        raise _pool_too_small(platform, utilization, ranks, budget, weights_bytes, fits, blocks_per_seq, max_model_len)
+    per_rank = f" (1/{ranks} of the share per data-parallel rank)" if ranks > 1 else ""
+    source = f"profile: {budget >> 20} MiB for KV{per_rank}, capped at {cap} blocks for engine.max_num_seqs"
     if config.cache.memory_utilization is None and platform.device_string() == "cpu":
         host_cap = max(blocks_per_seq, HOST_DEFAULT_KV_CAP_BYTES // per_block)
         if host_cap < min(fits, cap):

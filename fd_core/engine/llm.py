@@ -149,6 +149,8 @@ def engine_config(model: ModelArg | None, config: FdConfig | None, sections: dic
                 keys["source"] = os.fspath(keys["source"])
             sections["model"] = {**sections.get("model", {}), **keys}
         config = load_config(**sections)
+    if config.parallel.data_parallel_size == "auto":   # what suits one in-process engine: itself
+        config = config.with_data_parallel_size(1)
     if config.parallel.data_parallel_size != 1:
         raise ConfigError("parallel.data_parallel_size", f"{config.parallel.data_parallel_size}: an in-process "
                           "engine is one rank; data-parallel ranks run behind fd-serve")

@@ -32,6 +32,7 @@ from fd_core.server.engine_client import EngineClient
 from fd_core.server.http_errors import from_exception, from_validation_errors
 from fd_core.server.metrics import ServerMetrics
 from fd_core.server.prepare import Limits
+from fd_core.server.rank_placement import resolve_data_parallel_size
 from fd_core.server.routes import router
 from fd_core.server.state import ServerState
 
@@ -49,8 +50,9 @@ def create_app(config: FdConfig, *, on_fatal: Callable[[str, int], None], log_le
                                               f"{reason}; exiting so that a supervisor restarts fd-serve",
                                               ExitCode.ENGINE_DIED)
 
+    config = resolve_data_parallel_size(config)
     metrics = ServerMetrics()
-    client_type = DataParallelClient if config.parallel.data_parallel_size > 1 else EngineClient
+    client_type = DataParallelClient if config.parallel.data_parallel_size != 1 else EngineClient
     client = client_type(config, log_level=log_level, on_finished=metrics.observe, on_dead=on_engine_death)
     state = ServerState(config=config, model_name=config.model.served_name or config.model.source,
                         client=client, metrics=metrics, drain=Drain(config.server.shutdown_timeout_s))

@@ -3,7 +3,8 @@
 ``parallel.data_parallel_size = N`` makes the server use a :class:`DataParallelClient` instead
 of one :class:`~fd_core.server.engine_client.EngineClient`; it has the same surface. Each rank
 is a whole engine (its own KV pool, scheduler, runner) pinned to its share of the CPUs, so N
-ranks on N cores do not fight over them. The requests of one call (the ``n`` choices, or several
+ranks on N cores do not fight over them; the shares follow the host's L3 and NUMA domains
+(:mod:`fd_core.server.rank_placement`). The requests of one call (the ``n`` choices, or several
 prompts) go to the rank with the fewest tokens in flight (prompt + ``max_tokens`` of each
 request placed there and not finished); its outputs come back on that rank's stream.
 
@@ -27,13 +28,14 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fd_core.errors import EngineDeadError, RequestError
+from fd_core.host_topology import read_host_topology
 from fd_core.request import RequestStatus
 from fd_core.server.engine_client import EngineClient, EngineStartError, EngineState
+from fd_core.server.rank_placement import cpu_shares, describe_shares
 
 if TYPE_CHECKING:
     from fd_core.config import FdConfig
@@ -44,19 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def split_cpus(cpus: list[int], ranks: int) -> list[list[int]]:
-    """Contiguous, disjoint shares of ``cpus``, one per rank; with fewer CPUs than ranks, ranks share."""
-    if len(cpus) < ranks:
-        return [[cpus[rank % len(cpus)]] for rank in range(ranks)]
-    size, extra = divmod(len(cpus), ranks)
-    shares, start = [], 0
-    for rank in range(ranks):
-        end = start + size + (rank < extra)
-        shares.append(cpus[start:end])
-        start = end
-    return shares
-
-
 class DataParallelClient:
     """N :class:`EngineClient` ranks as one; every method runs on the server's event loop."""
 
@@ -64,7 +53,9 @@ class DataParallelClient:
                  on_finished: Callable[[RequestOutput], None] | None = None,
                  on_dead: Callable[[str], None] | None = None) -> None:
         size = config.parallel.data_parallel_size
-        shares = split_cpus(sorted(os.sched_getaffinity(0)), size)
+        assert isinstance(size, int), "resolve 'auto' first (rank_placement.resolve_data_parallel_size)"
+        self._topology = read_host_topology()
+        shares = cpu_shares(self._topology, size)
         self.config = config
         self._on_finished = on_finished
         self._on_dead = on_dead
@@ -107,8 +98,7 @@ class DataParallelClient:
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed if isinstance(failed, EngineStartError) else EngineStartError(str(failed))
-        log.info("%d data-parallel ranks ready on CPUs %s", len(self.ranks),
-                 " | ".join(",".join(map(str, share)) for share in self.cpu_shares))
+        log.info("%d data-parallel ranks ready: %s", len(self.ranks), describe_shares(self._topology, self.cpu_shares))
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(rank.shutdown() for rank in self.ranks))

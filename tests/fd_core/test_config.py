@@ -119,3 +119,16 @@ def test_an_empty_or_blank_api_key_is_refused(key):
     with pytest.raises(ConfigError, match=r"^server\.api_key: must not be empty or blank"):
         load_config(server={"api_key": key})
     assert load_config(server={"api_key": " k "}).server.api_key.get_secret_value() == " k "
+
+
+def test_data_parallel_size_takes_a_count_or_auto_from_every_source(deploy, monkeypatch):
+    deploy.write_text('[parallel]\ndata_parallel_size = "auto"\n')
+    assert load_config(deploy).parallel.data_parallel_size == "auto"
+    assert load_config(deploy, ["--parallel.data_parallel_size", "3"]).parallel.data_parallel_size == 3
+    monkeypatch.setenv("FD_PARALLEL__DATA_PARALLEL_SIZE", "2")
+    assert load_config().parallel.data_parallel_size == 2
+    for bad in ("many", "0", "-1", "2.5"):
+        with pytest.raises(ConfigError) as info:
+            load_config(cli_args=["--parallel.data_parallel_size", bad])
+        assert info.value.key == "parallel.data_parallel_size"
+        assert str(info.value) == f"parallel.data_parallel_size: {bad!r}: a number of ranks (1 or more) or \"auto\""

@@ -67,6 +67,29 @@ def test_too_little_memory_names_the_key():
                      max_model_len=65536, weights_bytes=0)
 
 
+def test_data_parallel_ranks_share_the_memory_utilization():
+    """N ranks start together and each sizes its own pool: each takes 1/N of the share, so N pools
+    together stay within it; a share too small for the ranks, or a per-rank cache.memory that N
+    ranks cannot all have, is an error naming the key and the ranks."""
+    big = LlamaArchConfig("LlamaForCausalLM", vocab_size=512, hidden_size=4096, intermediate_size=128,
+                          num_hidden_layers=64, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                          max_position_embeddings=4096)
+    platform = CpuPlatform()
+    one = plan_kv_pool(load_config(cache={"memory_utilization": 0.1}, engine={"max_num_seqs": 512}),
+                       big, platform, max_model_len=256, weights_bytes=0)
+    four = plan_kv_pool(load_config(cache={"memory_utilization": 0.4}, engine={"max_num_seqs": 512},
+                                    parallel={"data_parallel_size": 4}), big, platform, max_model_len=256,
+                        weights_bytes=0)
+    assert four.num_blocks == one.num_blocks and "1/4 of the share per data-parallel rank" in four.source
+    with pytest.raises(ConfigError, match=r"^cache\.memory_utilization: 0\.3 shared by 1024 data-parallel ranks "
+                                          r"leaves .* use fewer ranks \(parallel\.data_parallel_size\)"):
+        plan_kv_pool(load_config(parallel={"data_parallel_size": 1024}), big, platform, max_model_len=256,
+                     weights_bytes=0)
+    with pytest.raises(ConfigError, match=r"^cache\.memory: 8192 MiB for each of 1024 data-parallel ranks is more "):
+        plan_kv_pool(load_config(cache={"memory": "8GiB"}, parallel={"data_parallel_size": 1024}), ARCH, platform,
+                     max_model_len=256, weights_bytes=0)
+
+
 def test_cache_memory_sizes_the_pool_beyond_the_host_default_cap():
     per_block = kv_cache_bytes_per_block(ARCH, 16)
     wanted = HOST_DEFAULT_KV_CAP_BYTES + 1000 * per_block + per_block // 2   # not a whole number of blocks

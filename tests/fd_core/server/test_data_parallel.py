@@ -16,13 +16,15 @@ import pytest
 
 from fd_core.config import load_config
 from fd_core.errors import EngineDeadError
+from fd_core.host_topology import read_host_topology
 from fd_core.model.loader import load_model
 from fd_core.outputs import RequestOutput
 from fd_core.request import FinishReason, Request, SamplingParams
 from fd_core.runner.kv_cache import kv_cache_bytes_per_block
 from fd_core.server import wire
-from fd_core.server.data_parallel import DataParallelClient, split_cpus
+from fd_core.server.data_parallel import DataParallelClient
 from fd_core.server.metrics import MEMORY_PARTS
+from fd_core.server.rank_placement import cpu_shares, describe_shares
 from tests.fd_core.server import constrained
 from tests.fd_core.server.conftest import START_TIMEOUT_S, TINY_ARGS, start_server
 from tests.fd_core.server.test_lifecycle import read_stream
@@ -55,12 +57,6 @@ def reference(tiny_model: Path) -> dict[str, list[str]]:
             "json": constrained.references(llm, PROMPTS[:2])}
 
 
-def test_cpus_are_shared_out_without_overlap() -> None:
-    assert split_cpus([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
-    assert split_cpus([0, 1], 2) == [[0], [1]]
-    assert split_cpus([5], 3) == [[5], [5], [5]]
-
-
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (every thread), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -72,6 +68,8 @@ def test_two_ranks_answer_like_one_share_the_work_and_free_every_block(tiny_mode
                           "--parallel.data_parallel_size", "2")
     try:
         assert len(server.engine_pids()) == 2
+        topology = read_host_topology()
+        assert describe_shares(topology, cpu_shares(topology, 2)) in server.log(), "no share or domain logged"
         affinities = [os.sched_getaffinity(pid) for pid in server.engine_pids()]
         if len(os.sched_getaffinity(0)) >= 2:
             assert not affinities[0] & affinities[1], affinities
@@ -145,6 +143,15 @@ def test_the_offline_engine_refuses_data_parallel_naming_the_key(tiny_model) -> 
 
     with pytest.raises(ConfigError, match=r"parallel\.data_parallel_size: 2: an in-process engine is one rank"):
         LLM(str(tiny_model), parallel={"data_parallel_size": 2})
+
+
+def test_the_offline_engine_runs_auto_as_one_rank(tiny_model) -> None:
+    from fd_core.engine.llm import LLM
+
+    llm = LLM(str(tiny_model), parallel={"data_parallel_size": "auto"}, cache={"num_blocks": 16})
+    assert llm.config.parallel.data_parallel_size == 1
+    [out] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert len(out.token_ids) == 2
 
 
 def test_traced_hook_figures_of_the_ranks_are_summed_by_hook_and_plugin() -> None:

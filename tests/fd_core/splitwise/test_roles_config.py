@@ -41,6 +41,7 @@ def test_a_decode_instance_caches_no_prefixes():
 def test_prefill_and_decode_run_one_engine_per_server():
     text = _problems(splitwise={"role": "prefill"}, parallel={"data_parallel_size": 2}, **PD)
     assert "parallel.data_parallel_size: a prefill instance runs one engine" in text
+    resolve(load_config(splitwise={"role": "prefill"}, parallel={"data_parallel_size": "auto"}, **PD))  # "auto": 1
 
 
 def test_a_zmq_address_peers_cannot_reach_is_refused():
