@@ -80,8 +80,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     batches = 1 if args.reuse_prompts else len(levels)
     workload = make_workload(num_prompts=WARM_UP_PROMPTS + args.num_prompts * batches, input_len=args.input_len,
-                             output_len=args.output_len, range_ratio=0.0, vocab_size=args.vocab_size or card["vocab_size"],
-                             seed=args.seed)
+                             output_len=args.output_len, range_ratio=0.0,
+                             vocab_size=args.vocab_size or card["vocab_size"], seed=args.seed)
     warm_up, prompts = workload[:WARM_UP_PROMPTS], workload[WARM_UP_PROMPTS:]
 
     def level_prompts(index: int) -> list:
