@@ -137,15 +137,17 @@ def test_a_sliding_window_hides_the_keys_before_it_in_both_variants(cpp, block_s
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
-def test_split_decode_rows_give_the_same_bits_on_any_thread_count(cpp, cache_dtype: str) -> None:
-    """One decode row of 700 keys: split into parts of 128 keys whatever the thread count."""
+@pytest.mark.parametrize("rows", [[(700, 1)], [(280 + 7 * i, 1) for i in range(8)]], ids=["split", "8-rows"])
+def test_decode_rows_give_the_same_bits_on_any_thread_count(cpp, cache_dtype: str, rows: list) -> None:
+    """One decode row of 700 keys (split into parts of 128 keys whatever the thread count), and a
+    step of 8 rows (a few thousand query-key pairs each: spread over the threads, not split)."""
     ops = native.load_native(CpuPlatform().capabilities)
     rng = np.random.default_rng(3)
-    attn = _step(rng, [(700, 1)], 16, 9, 3)
+    attn = _step(rng, rows, 16, 9, 3)
     k_cache, v_cache = (_cache(rng, cache_dtype, NUM_BLOCKS, 3, 16, 64) for _ in range(2))
-    q = _random(rng, 1, 9, 64) * (1 / np.sqrt(64))
+    q = _random(rng, len(rows), 9, 64) * (1 / np.sqrt(64))
     one, two, three = (ops.fd_paged_attention(q, k_cache, v_cache, attn.row_tables, attn.row_starts, attn.row_lens,
-                                              1.0, False, threads, 0)[0].numpy() for threads in (1, 2, 3))
+                                              1.0, False, threads, 0).numpy() for threads in (1, 2, 3))
     np.testing.assert_array_equal(one, two)
     np.testing.assert_array_equal(one, three)
     want = pa.attention_reference(q, k_cache, v_cache, attn).numpy()
