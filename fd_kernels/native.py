@@ -487,8 +487,12 @@ def _mkl_library() -> Path:
 
 
 def _threads() -> int:
-    """The CPUs this process may run on (a data-parallel rank's share): the kernels' thread count."""
-    return len(os.sched_getaffinity(0))
+    """The kernels' thread count: ``OMP_NUM_THREADS`` (the platform's ``num_threads``, which the
+    engine puts in the environment before it prepares the kernels, as MKL reads it), at most the
+    CPUs this process may run on (a data-parallel rank's share); those CPUs when it is unset."""
+    usable = len(os.sched_getaffinity(0))
+    wanted = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return min(usable, int(wanted)) if wanted.isdigit() and int(wanted) > 0 else usable
 
 
 def prepare_rope_write_kv(capabilities: Collection[str]) -> Callable[..., Any]:

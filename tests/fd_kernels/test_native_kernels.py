@@ -5,6 +5,7 @@ shuffled block tables; the metadata comes from the real builder, as the model ge
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -373,3 +374,17 @@ def test_a_packed_weight_holds_only_the_pages_mkl_writes(cpp) -> None:
         assert allocated > 3 * dense   # the case that matters
         # MKL's layout pads what it writes a little (more on huge pages): far below the allocation
         assert resident <= 1.5 * dense, (resident, allocated, dense)
+
+
+@pytest.mark.parametrize(("omp_num_threads", "expected"), [(None, "usable"), ("1", 1), ("999", "usable"),
+                                                          ("0", "usable"), ("four", "usable")])
+def test_the_kernels_use_the_platform_s_thread_count_within_the_usable_cpus(monkeypatch, omp_num_threads, expected):
+    """The cpu platform's ``num_threads`` reaches the kernels as ``OMP_NUM_THREADS`` (as it reaches
+    MKL); they ran on every usable CPU whatever it said."""
+    if omp_num_threads is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp_num_threads)
+    usable = len(os.sched_getaffinity(0))
+    assert native._threads() == (usable if expected == "usable" else expected)
+

@@ -289,3 +289,17 @@ def test_start_up_reports_resident_memory_by_part(make_llm, caplog):
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: "))
     assert line.endswith(f"weights {memory['weights'] >> 20:,} MiB as the kernels hold them, KV pool "
                          f"{memory['kv_cache'] >> 20:,} MiB, runtime {memory['runtime'] >> 20:,} MiB")
+
+
+def test_an_engine_built_with_one_math_thread_runs_its_c_kernels_on_one(monkeypatch, tiny_model_dir):
+    """The cpu platform's ``num_threads`` reaches the C++ kernels as well as MKL (they ran on
+    every usable CPU whatever it said)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")   # restored afterwards: the build below sets it
+    engine = build_engine(load_config(model={"source": tiny_model_dir}, cache={"num_blocks": 16},
+                                      platform={"name": "cpu", "options": {"num_threads": 1}}))
+    attention = engine.runner.kernels.chosen["attention"]
+    if attention.name != "cpp":
+        pytest.skip(f"no C++ attention here: {engine.runner.kernels.describe()}")
+    captured = dict(zip(attention.fn.__code__.co_freevars, (c.cell_contents for c in attention.fn.__closure__),
+                        strict=True))
+    assert captured["threads"] == 1
