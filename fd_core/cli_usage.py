@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import textwrap
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Final, NoReturn
+
+from fd_core.seams import SEAMS
 
 if TYPE_CHECKING:
     from fd_core.config_reference import KeyDoc
@@ -105,9 +108,9 @@ def plugins_check_help_text() -> str:
     lines = [PLUGINS_CHECK_USAGE, "",
              "Run the conformance kit of an installed plugin's seam (fd_core.testing.conformance) and print",
              "one row per check. GROUP/NAME is an entry-point group or a seam, then the plugin's name:",
-             "fd.schedulers/local or scheduler/local (seams: scheduler, resource_manager, token_processor,",
-             "connector, platform). The plugin is built with the seam's options from the config",
-             "(e.g. --config deploy.toml, or --scheduler.options '{\"url\": \"redis://...\"}').",
+             "fd.schedulers/local or scheduler/local. The plugin is built with the seam's options from the",
+             "config (e.g. --config deploy.toml, or --scheduler.options '{\"url\": \"redis://...\"}').",
+             *textwrap.wrap("Seams: " + ", ".join(seam.name for seam in SEAMS) + ".", width=96),
              "Exit status: 0 when every check passed (or was skipped), 1 when one failed, 2 for a usage",
              "error. Reference: docs/conformance.md.", "", "options:"]
     lines += [f"  {(flag + ' ' + metavar).strip():<24}{text}" for flag, metavar, text in _PLUGINS_CHECK_FLAGS]

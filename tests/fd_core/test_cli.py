@@ -136,3 +136,12 @@ def test_fd_bench_serve_against_a_server_that_is_down():
     assert "Traceback" not in result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(f"fd-bench serve: error: cannot read {url}/v1/models: ") and "is fd-serve running" in line
+
+
+def test_plugins_check_help_names_every_seam():
+    from fd_core.cli_usage import plugins_check_help_text
+    from fd_core.seams import SEAMS
+
+    text = plugins_check_help_text()
+    listed = text[text.index("Seams: "):].split(".")[0].removeprefix("Seams: ").replace("\n", " ")
+    assert [name.strip() for name in listed.split(",")] == [seam.name for seam in SEAMS]
