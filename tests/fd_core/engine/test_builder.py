@@ -29,6 +29,11 @@ ARCH = LlamaArchConfig("LlamaForCausalLM", vocab_size=512, hidden_size=64, inter
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        max_position_embeddings=512)
 
+#: A shape whose KV blocks are large (64 layers x 32 KV heads of 128): pools sized from memory shares.
+LARGE_KV_ARCH = LlamaArchConfig("LlamaForCausalLM", vocab_size=512, hidden_size=4096, intermediate_size=128,
+                                num_hidden_layers=64, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                                max_position_embeddings=4096)
+
 
 def test_explicit_num_blocks_wins():
     plan = plan_kv_pool(load_config(cache={"num_blocks": 77}), ARCH, CpuPlatform(), max_model_len=256,
@@ -44,9 +49,7 @@ def test_profile_budget_is_capped_by_what_max_num_seqs_can_use():
 
 
 def test_profile_budget_follows_memory_utilization():
-    big = LlamaArchConfig("LlamaForCausalLM", vocab_size=512, hidden_size=4096, intermediate_size=128,
-                          num_hidden_layers=64, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
-                          max_position_embeddings=4096)
+    big = LARGE_KV_ARCH
     platform = CpuPlatform()
     small = plan_kv_pool(load_config(cache={"memory_utilization": 0.2}, engine={"max_num_seqs": 512}),
                          big, platform, max_model_len=256, weights_bytes=0)
@@ -71,9 +74,7 @@ def test_data_parallel_ranks_share_the_memory_utilization():
     """N ranks start together and each sizes its own pool: each takes 1/N of the share, so N pools
     together stay within it; a share too small for the ranks, or a per-rank cache.memory that N
     ranks cannot all have, is an error naming the key and the ranks."""
-    big = LlamaArchConfig("LlamaForCausalLM", vocab_size=512, hidden_size=4096, intermediate_size=128,
-                          num_hidden_layers=64, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
-                          max_position_embeddings=4096)
+    big = LARGE_KV_ARCH
     platform = CpuPlatform()
     one = plan_kv_pool(load_config(cache={"memory_utilization": 0.1}, engine={"max_num_seqs": 512}),
                        big, platform, max_model_len=256, weights_bytes=0)
